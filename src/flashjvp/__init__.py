@@ -1,0 +1,6 @@
+"""flashjvp: FlashAttention with a fused forward-mode derivative (JVP), in Triton."""
+
+from flashjvp.ref import attention_jvp_ref, attention_ref
+
+__all__ = ["attention_ref", "attention_jvp_ref"]
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""Constants and small helpers shared by the Triton kernels and their launchers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The kernels work in base 2 (exp2/log2 are single instructions): exp(x) == exp2(x * LOG2E),
+# log(x) == log2(x) * LN2. Host code uses the floats, kernels the constexpr twins.
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+LOG2E_K = tl.constexpr(LOG2E)
+LN2_K = tl.constexpr(LN2)
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on the CPU through ``TRITON_INTERPRET=1``."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def head_block(d: int) -> int:
+    """Tile width for a head dim: the next power of two, at least 16 (``tl.dot``'s minimum)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def length_bucket(n: int) -> int:
+    """Autotune key for a sequence length: powers of two from 64 to 16384, so a new length in
+    the same bucket reuses the tuned config instead of re-running the autotuner."""
+    return min(16384, max(64, triton.next_power_of_2(n)))
+
+
+def strides_bhnd(x: torch.Tensor | None, layout: str) -> tuple[int, int, int, int]:
+    """(batch, head, seq, dim) strides of a tensor given in ``layout``; zeros for ``None``."""
+    if x is None:
+        return (0, 0, 0, 0)
+    s = x.stride()
+    return s if layout == "bhnd" else (s[0], s[2], s[1], s[3])
+
+
+def empty_out(batch: int, heads: int, n: int, d: int, layout: str, like: torch.Tensor):
+    shape = (batch, heads, n, d) if layout == "bhnd" else (batch, n, heads, d)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs follow ``torch.backends.cuda.matmul.allow_tf32`` (PyTorch's rule);
+    half inputs use the tensor cores' native precision."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def launch_device(x: torch.Tensor):
+    """Context making ``x``'s GPU the current device for a launch (a no-op on the CPU)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+@triton.jit
+def load_tile(ptrs, mask0, mask1, MASK0: tl.constexpr, MASK1: tl.constexpr):
+    """Load a 2-d tile, masking rows (``mask0``) and/or columns (``mask1``) only where asked,
+    so interior tiles compile to unmasked loads. Masked elements read as zero."""
+    if MASK0 and MASK1:
+        x = tl.load(ptrs, mask=mask0[:, None] & mask1[None, :], other=0.0)
+    elif MASK0:
+        x = tl.load(ptrs, mask=mask0[:, None], other=0.0)
+    elif MASK1:
+        x = tl.load(ptrs, mask=mask1[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x

@@ -1,0 +1,226 @@
+"""Fused attention forward + forward-mode tangent (JVP) in one Triton pass.
+
+Per (batch, query head, block of BLOCK_M query rows) one program streams over the key blocks
+once, keeping the online-softmax state (MATH.md, "Online (tiled) form"):
+max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``acc_t`` and ``r``.
+Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
+costs no matrix product.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashjvp._common import (
+    LN2_K,
+    LOG2E,
+    dot_precision,
+    empty_out,
+    head_block,
+    interpreting,
+    launch_device,
+    length_bucket,
+    load_tile,
+    strides_bhnd,
+)
+from flashjvp._validate import AttnArgs
+
+
+def _fwd_configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [
+            (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+            (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3),
+        ]
+    ]
+
+
+def _prune_fwd_configs(configs, named_args, **kwargs):
+    """Drop tiles that cannot fit: wide heads with tangents need smaller key blocks."""
+    d = max(named_args["BLOCK_DQK"], named_args["BLOCK_DV"])
+    jvp = named_args["HAS_TQ"] or named_args["HAS_TK"] or named_args["HAS_TV"]
+    kept = [c for c in configs
+            if not (d > 128 and c.kwargs["BLOCK_N"] > 64)
+            and not (jvp and d > 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)
+            and not (jvp and c.kwargs["BLOCK_N"] > 64)]
+    return kept or configs[-1:]
+
+
+@triton.jit
+def _fwd_inner(
+    acc_o, acc_t, m_i, l_i, r_i, q, tq,
+    k_ptrs, v_ptrs, tk_ptrs, tv_ptrs, stride_kn, stride_vn, stride_tkn, stride_tvn,
+    offs_m, offs_n, mask_dqk, mask_dv, lo, hi, N_K, causal_off, scale_log2, scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
+    HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality."""
+    HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n  # (BLOCK_N,)
+        kvalid = keys < N_K  # (BLOCK_N,)
+        k = load_tile(k_ptrs + start_n * stride_kn, mask_dqk, kvalid,
+                      not EVEN_DQK, MASKED)  # (BLOCK_DQK, BLOCK_N), K transposed
+        s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N), log2 units
+        if MASKED:
+            visible = kvalid[None, :]  # (1, BLOCK_N)
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= offs_m[:, None] + causal_off)  # (BLOCK_M, BLOCK_N)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+        m_use = m_new
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
+        e = tl.math.exp2(s - m_use[:, None])  # (BLOCK_M, BLOCK_N), unnormalised P
+        l_i = l_i * alpha + tl.sum(e, 1)
+        v = load_tile(v_ptrs + start_n * stride_vn, kvalid, mask_dv,
+                      MASKED, not EVEN_DV)  # (BLOCK_N, BLOCK_DV)
+        acc_o = tl.dot(e.to(v.dtype), v, acc_o * alpha[:, None], input_precision=DOT_PREC)
+        if HAS_TS or HAS_TV:
+            acc_t = acc_t * alpha[:, None]  # (BLOCK_M, BLOCK_DV)
+        if HAS_TS:
+            ts = tl.zeros_like(s)  # (BLOCK_M, BLOCK_N): tQ.K^T + Q.tK^T
+            if HAS_TQ:
+                ts = tl.dot(tq, k, ts, input_precision=DOT_PREC)
+            if HAS_TK:
+                tk = load_tile(tk_ptrs + start_n * stride_tkn, mask_dqk, kvalid,
+                               not EVEN_DQK, MASKED)  # (BLOCK_DQK, BLOCK_N)
+                ts = tl.dot(q, tk, ts, input_precision=DOT_PREC)
+            hs = e * (ts * scale)  # (BLOCK_M, BLOCK_N): E * tS
+            r_i = r_i * alpha + tl.sum(hs, 1)
+            acc_t = tl.dot(hs.to(v.dtype), v, acc_t, input_precision=DOT_PREC)
+        if HAS_TV:
+            tv = load_tile(tv_ptrs + start_n * stride_tvn, kvalid, mask_dv,
+                           MASKED, not EVEN_DV)  # (BLOCK_N, BLOCK_DV)
+            acc_t = tl.dot(e.to(tv.dtype), tv, acc_t, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc_o, acc_t, m_i, l_i, r_i
+
+
+@triton.autotune(configs=_fwd_configs(), key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
+                                              "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC"],
+                 prune_configs_by={"early_config_prune": _prune_fwd_configs})
+@triton.heuristics({
+    "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
+    "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
+})
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
+    s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+    s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
+    s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
+    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
+    N_Q_BUCKET, N_K_BUCKET,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
+    STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr,
+    EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    h_kv = (h // GROUPS).to(tl.int64)
+    h = h.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key offsets within a block
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_m = offs_m < N_Q
+    mask_dqk = offs_dqk < D_QK
+    mask_dv = offs_dv < D_V
+
+    qmask = mask_m[:, None] & mask_dqk[None, :]
+    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qn + offs_dqk[None, :] * s_qd,
+                mask=qmask, other=0.0)  # (BLOCK_M, BLOCK_DQK)
+    tq = q
+    if HAS_TQ:
+        tq = tl.load(TQ + b * s_tqb + h * s_tqh + offs_m[:, None] * s_tqn + offs_dqk[None, :] * s_tqd,
+                     mask=qmask, other=0.0)  # (BLOCK_M, BLOCK_DQK)
+    # K and tK are read transposed: (BLOCK_DQK, BLOCK_N) tiles.
+    k_ptrs = K + b * s_kb + h_kv * s_kh + offs_dqk[:, None] * s_kd + offs_n[None, :] * s_kn
+    tk_ptrs = TK + b * s_tkb + h_kv * s_tkh + offs_dqk[:, None] * s_tkd + offs_n[None, :] * s_tkn
+    v_ptrs = V + b * s_vb + h_kv * s_vh + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
+    tv_ptrs = TV + b * s_tvb + h_kv * s_tvh + offs_n[:, None] * s_tvn + offs_dv[None, :] * s_tvd
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max, log2 units
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running denominator
+    r_i = tl.zeros([BLOCK_M], tl.float32)  # running rowsum(E * tS)
+    acc_o = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc_t = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # Key blocks every row of this block sees completely run unmasked; the rest are masked.
+    full_end = (N_K // BLOCK_N) * BLOCK_N
+    hi = N_K
+    if CAUSAL:
+        hi = tl.minimum(N_K, tl.maximum(m0 + BLOCK_M + causal_off, 0))
+        full_end = tl.minimum(full_end, (tl.maximum(m0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
+        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
+        causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
+        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC)
+    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
+        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
+        causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
+        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC)
+
+    # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
+    empty = l_i == 0.0
+    inv_l = 1.0 / tl.where(empty, 1.0, l_i)  # (BLOCK_M,)
+    o = acc_o * inv_l[:, None]  # (BLOCK_M, BLOCK_DV)
+    omask = mask_m[:, None] & mask_dv[None, :]
+    tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_dv[None, :] * s_od,
+             o.to(O.dtype.element_ty), mask=omask)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
+    row = (b * H_Q + h) * N_Q + offs_m
+    tl.store(LSE + row, lse, mask=mask_m)
+    if HAS_TQ or HAS_TK or HAS_TV:
+        mu = r_i * inv_l  # (BLOCK_M,) tangent of lse
+        to = acc_t * inv_l[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
+        tl.store(TO + b * s_tob + h * s_toh + offs_m[:, None] * s_ton + offs_dv[None, :] * s_tod,
+                 to.to(TO.dtype.element_ty), mask=omask)
+        if STORE_MU:
+            tl.store(MU + row, mu, mask=mask_m)
+
+
+# Launch counter: tests use it to prove that o and to come from one launch.
+launches = {"fwd": 0}
+
+
+def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
+             o: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    """Launch the fused kernel. Returns ``(o, to, lse, mu)``; ``to`` and ``mu`` are ``None``
+    without tangents (``mu`` also unless ``store_mu``). ``o``/``lse`` may be given to write into."""
+    jvp = tq is not None or tk is not None or tv is not None
+    if o is None:
+        o = empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q)
+    if lse is None:
+        lse = torch.empty((a.batch, a.h_q, a.n_q), dtype=torch.float32, device=q.device)
+    to = empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q) if jvp else None
+    mu = torch.empty_like(lse) if (jvp and store_mu) else None
+    off = (a.n_k - a.n_q) if a.causal == "bottom_right" else 0
+    strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
+    grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
+    with launch_device(q):
+        _attn_fwd_kernel[grid](
+            q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
+            o, o if to is None else to, lse, lse if mu is None else mu,
+            *[s for st in strides for s in st],
+            a.h_q, a.groups, a.n_q, a.n_k, off, a.scale * LOG2E, a.scale,
+            length_bucket(a.n_q), length_bucket(a.n_k),
+            D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=head_block(a.d_qk), BLOCK_DV=head_block(a.d_v),
+            CAUSAL=a.causal is not None, HAS_TQ=tq is not None, HAS_TK=tk is not None,
+            HAS_TV=tv is not None, STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
+        )
+    launches["fwd"] += 1
+    return o, to, lse, mu
