@@ -1,6 +1,7 @@
 """flashjvp: FlashAttention with a fused forward-mode derivative (JVP), in Triton."""
 
+from flashjvp.interface import attention, attention_jvp
 from flashjvp.ref import attention_jvp_ref, attention_ref
 
-__all__ = ["attention_ref", "attention_jvp_ref"]
+__all__ = ["attention", "attention_jvp", "attention_ref", "attention_jvp_ref"]
 __version__ = "0.1.0"

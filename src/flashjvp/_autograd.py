@@ -1,0 +1,105 @@
+"""autograd Functions wiring the Triton launchers into PyTorch's reverse and forward modes.
+
+The fusion trick (``AttentionFunction``): under ``torch.func.jvp`` and ``forward_ad`` an
+``autograd.Function`` runs ``forward`` (without the tangents) before ``jvp``. The public
+``attention`` looks at its inputs first: when any carries a forward tangent (``unpack_dual``
+sees it in both systems) it passes ``defer=True``; ``forward`` then only allocates ``o`` and
+``lse``, and ``jvp``, which PyTorch calls right after ``forward`` inside the same ``apply``,
+launches the fused kernel once, writing ``o`` and ``lse`` in place and returning ``to``.
+Without tangents ``forward`` launches the plain kernel. If a tangent shows up that was not
+seen up front, ``jvp`` recomputes everything (correct, one launch more).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashjvp._bwd import attn_bwd
+from flashjvp._common import empty_out
+from flashjvp._fwd import attn_fwd
+from flashjvp._validate import AttnArgs
+
+_TANGENT_GRAD_MSG = (
+    "flashjvp: gradients through the tangent output `to` (or `mu`/`lse`) are not supported yet "
+    "(second order). Detach it (e.g. `loss(out, tout.detach())`) or use flashjvp.attention_ref."
+)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """``(o, lse) = attention(q, k, v)``; ``lse`` is non-differentiable and used by backward."""
+
+    @staticmethod
+    def forward(q, k, v, a: AttnArgs, defer: bool):
+        if defer:  # jvp() follows and fills both
+            lse = torch.empty((a.batch, a.h_q, a.n_q), dtype=torch.float32, device=q.device)
+            return empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q), lse
+        o, _, lse, _ = attn_fwd(q, k, v, None, None, None, a)
+        return o, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, a, defer = inputs
+        o, lse = output
+        ctx.a, ctx.defer = a, defer
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_forward(q, k, v, o, lse)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, o, lse)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, *_):
+        q, k, v, o, lse = ctx.saved_tensors
+        # Launched through AttentionJVPFunction: it receives plain tensors under torch.func
+        # (functorch unwraps custom Functions' inputs) and its backward refuses d/d(to).
+        out = (o, lse) if ctx.defer else (None, None)
+        _, to, _, _ = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, ctx.a, False, *out)
+        return (torch.zeros_like(o) if to is None else to), None
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        if do is None:
+            return None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, ctx.a)
+        return dq, dk, dv, None, None
+
+
+class AttentionJVPFunction(torch.autograd.Function):
+    """``(o, to, lse, mu) = attention_jvp(q, k, v, tq, tk, tv)`` in one launch.
+
+    Differentiable through ``o`` only; a gradient reaching ``to``, ``lse`` or ``mu`` raises.
+    """
+
+    @staticmethod
+    def forward(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool, o=None, lse=None):
+        o_, to, lse_, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=store_mu, o=o, lse=lse)
+        if o is not None:  # autograd wants views, not inputs returned as-is
+            o_, lse_ = o_.view_as(o_), lse_.view_as(lse_)
+        return o_, to, lse_, mu
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, a = inputs[0], inputs[1], inputs[2], inputs[6]
+        o, _, lse, _ = output
+        ctx.a = a
+        ctx.set_materialize_grads(False)
+        if any(ctx.needs_input_grad[:3]):
+            ctx.save_for_backward(q, k, v, o, lse)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError("flashjvp: forward-mode AD through attention_jvp (second order) "
+                                  "is not supported yet")
+
+    @staticmethod
+    def backward(ctx, do, dto, dlse, dmu):
+        # o may be one of forward's buffers filled in place (AttentionFunction.jvp): its
+        # gradient is AttentionFunction's to compute, so do is None there.
+        if dto is not None or dlse is not None or dmu is not None:
+            raise NotImplementedError(_TANGENT_GRAD_MSG)
+        if do is None:
+            return (None,) * 10
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, ctx.a)
+        return (dq, dk, dv) + (None,) * 7

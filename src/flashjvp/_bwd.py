@@ -1,0 +1,266 @@
+"""Attention backward (FlashAttention-2) in Triton: dq, dk, dv from the saved log-sum-exp.
+
+Three launches, no atomics, deterministic:
+``_attn_bwd_preprocess_kernel`` (delta = rowsum(dO * O), lse in log2 units),
+``_attn_bwd_dkdv_kernel`` (one program per key block and kv head; sums the query heads of a
+GQA group in a fixed order) and ``_attn_bwd_dq_kernel`` (one program per query block).
+P is recomputed from q, k and lse; no N x N buffer exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashjvp._common import (
+    LOG2E_K,
+    LOG2E,
+    dot_precision,
+    head_block,
+    interpreting,
+    launch_device,
+    length_bucket,
+    load_tile,
+    strides_bhnd,
+)
+from flashjvp._validate import AttnArgs
+
+
+def _bwd_configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3),
+                             (32, 64, 4, 3), (128, 128, 8, 2)]
+    ]
+
+
+def _prune_bwd_configs(configs, named_args, **kwargs):
+    d = max(named_args["BLOCK_DQK"], named_args["BLOCK_DV"])
+    kept = [c for c in configs if not (d > 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)]
+    return kept or configs[:1]
+
+
+_BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "DOT_PREC"]
+_EVEN_D = {
+    "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
+    "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
+}
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(
+    O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod,
+    H_Q, N_Q, D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O); lse2 = lse * log2(e), +inf for rows that saw no key (P = 0)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (rows < N_Q)[:, None] & (offs_d < D_V)[None, :]
+    o = tl.load(O + b * s_ob + h * s_oh + rows[:, None] * s_on + offs_d[None, :] * s_od,
+                mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
+    do = tl.load(DO + b * s_dob + h * s_doh + rows[:, None] * s_don + offs_d[None, :] * s_dod,
+                 mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
+    idx = (b * H_Q + h) * N_Q + rows
+    lse = tl.load(LSE + idx, mask=rows < N_Q, other=0.0)
+    tl.store(DELTA + idx, tl.sum(o * do, 1), mask=rows < N_Q)
+    tl.store(LSE2 + idx, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K), mask=rows < N_Q)
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, s_qn, s_don,
+    keys, mask_dqk, mask_dv, lo, hi, N_Q, causal_off, scale_log2,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi); MASKED applies causality."""
+    offs_mb = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_mb  # (BLOCK_M,)
+        rvalid = rows < N_Q
+        q = load_tile(q_ptrs + start_m * s_qn, rvalid, mask_dqk, True, not EVEN_DQK)  # (BLOCK_M, BLOCK_DQK)
+        lse2 = tl.load(lse2_ptr + rows, mask=rvalid, other=float("inf"))  # (BLOCK_M,)
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # (BLOCK_N, BLOCK_M): S^T
+        pt = tl.math.exp2(st - lse2[None, :])  # (BLOCK_N, BLOCK_M): P^T
+        if MASKED:
+            pt = tl.where(keys[:, None] <= rows[None, :] + causal_off, pt, 0.0)
+        do = load_tile(do_ptrs + start_m * s_don, rvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_M, BLOCK_DV)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        delta = tl.load(delta_ptr + rows, mask=rvalid, other=0.0)  # (BLOCK_M,)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BLOCK_N, BLOCK_M): dP^T
+        dst = pt * (dpt - delta[None, :])  # (BLOCK_N, BLOCK_M): dS^T
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.autotune(configs=_bwd_configs(), key=_BWD_KEY,
+                 prune_configs_by={"early_config_prune": _prune_bwd_configs})
+@triton.heuristics(_EVEN_D)
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+    s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
+    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    h_kv = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    keys = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    kvalid = keys < N_K
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dqk = offs_dqk < D_QK
+    mask_dv = offs_dv < D_V
+    k = load_tile(K + b * s_kb + h_kv * s_kh + keys[:, None] * s_kn + offs_dqk[None, :] * s_kd,
+                  kvalid, mask_dqk, True, not EVEN_DQK)  # (BLOCK_N, BLOCK_DQK)
+    v = load_tile(V + b * s_vb + h_kv * s_vh + keys[:, None] * s_vn + offs_dv[None, :] * s_vd,
+                  kvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_N, BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+
+    # Query rows that see some key of this block start at n0 - off; from full_start on, every
+    # row sees every key of the block (no causal mask needed).
+    m_end = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+    lo = 0
+    full_start = 0
+    if CAUSAL:
+        lo = tl.minimum((tl.maximum(n0 - causal_off, 0) // BLOCK_M) * BLOCK_M, m_end)
+        full_start = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
+        full_start = tl.minimum(tl.maximum(full_start, lo), m_end)
+    for g in range(GROUPS):  # query heads of this kv head, summed in a fixed order
+        h = h_kv * GROUPS + g
+        q_ptrs = Q + b * s_qb + h * s_qh + tl.arange(0, BLOCK_M)[:, None] * s_qn + offs_dqk[None, :] * s_qd
+        do_ptrs = DO + b * s_dob + h * s_doh + tl.arange(0, BLOCK_M)[:, None] * s_don + offs_dv[None, :] * s_dod
+        row_base = (b * H_Q + h) * N_Q
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row_base, DELTA + row_base,
+                                 s_qn, s_don, keys, mask_dqk, mask_dv, lo, full_start, N_Q,
+                                 causal_off, scale_log2, BLOCK_M, True, EVEN_DQK, EVEN_DV, DOT_PREC)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row_base, DELTA + row_base,
+                             s_qn, s_don, keys, mask_dqk, mask_dv, full_start, m_end, N_Q,
+                             causal_off, scale_log2, BLOCK_M, False, EVEN_DQK, EVEN_DV, DOT_PREC)
+    dk = dk * scale
+    tl.store(DK + b * s_dkb + h_kv * s_dkh + keys[:, None] * s_dkn + offs_dqk[None, :] * s_dkd,
+             dk.to(DK.dtype.element_ty), mask=kvalid[:, None] & mask_dqk[None, :])
+    tl.store(DV + b * s_dvb + h_kv * s_dvh + keys[:, None] * s_dvn + offs_dv[None, :] * s_dvd,
+             dv.to(DV.dtype.element_ty), mask=kvalid[:, None] & mask_dv[None, :])
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+    lo, hi, N_K, causal_off, scale_log2,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        keys = start_n + offs_n  # (BLOCK_N,)
+        kvalid = keys < N_K
+        k = load_tile(k_ptrs + start_n * s_kn, kvalid, mask_dqk, MASKED, not EVEN_DQK)  # (BLOCK_N, BLOCK_DQK)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            visible = kvalid[None, :]
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= rows[:, None] + causal_off)
+            p = tl.where(visible, p, 0.0)
+        vt = load_tile(v_ptrs + start_n * s_vn, mask_dv, kvalid, not EVEN_DV, MASKED)  # (BLOCK_DV, BLOCK_N): V^T
+        dp = tl.dot(do, vt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.autotune(configs=_bwd_configs(), key=_BWD_KEY,
+                 prune_configs_by={"early_config_prune": _prune_bwd_configs})
+@triton.heuristics(_EVEN_D)
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE2, DELTA, DQ,
+    s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+    s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd,
+    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    h_kv = (h // GROUPS).to(tl.int64)
+    h = h.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    rvalid = rows < N_Q
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dqk = offs_dqk < D_QK
+    mask_dv = offs_dv < D_V
+    q = load_tile(Q + b * s_qb + h * s_qh + rows[:, None] * s_qn + offs_dqk[None, :] * s_qd,
+                  rvalid, mask_dqk, True, not EVEN_DQK)  # (BLOCK_M, BLOCK_DQK)
+    do = load_tile(DO + b * s_dob + h * s_doh + rows[:, None] * s_don + offs_dv[None, :] * s_dod,
+                   rvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_M, BLOCK_DV)
+    idx = (b * H_Q + h) * N_Q + rows
+    lse2 = tl.load(LSE2 + idx, mask=rvalid, other=float("inf"))  # (BLOCK_M,)
+    delta = tl.load(DELTA + idx, mask=rvalid, other=0.0)  # (BLOCK_M,)
+    k_ptrs = K + b * s_kb + h_kv * s_kh + offs_n[:, None] * s_kn + offs_dqk[None, :] * s_kd
+    v_ptrs = V + b * s_vb + h_kv * s_vh + offs_dv[:, None] * s_vd + offs_n[None, :] * s_vn
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
+
+    full_end = (N_K // BLOCK_N) * BLOCK_N
+    hi = N_K
+    if CAUSAL:
+        hi = tl.minimum(N_K, tl.maximum(m0 + BLOCK_M + causal_off, 0))
+        full_end = tl.minimum(full_end, (tl.maximum(m0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk,
+                   mask_dv, 0, full_end, N_K, causal_off, scale_log2, BLOCK_N, False, CAUSAL,
+                   EVEN_DQK, EVEN_DV, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk,
+                   mask_dv, full_end, hi, N_K, causal_off, scale_log2, BLOCK_N, True, CAUSAL,
+                   EVEN_DQK, EVEN_DV, DOT_PREC)
+    dq = dq * scale
+    tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqn + offs_dqk[None, :] * s_dqd,
+             dq.to(DQ.dtype.element_ty), mask=rvalid[:, None] & mask_dqk[None, :])
+
+
+launches = {"bwd": 0}
+
+
+def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
+    """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` given ``do``, from the saved
+    ``lse`` (B, Hq, Nq) float32. Gradients have their input's shape and layout."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
+    off = (a.n_k - a.n_q) if a.causal == "bottom_right" else 0
+    sq, sk, sv, sdo, so = (strides_bhnd(x, a.layout) for x in (q, k, v, do, o))
+    common = dict(D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=head_block(a.d_qk), BLOCK_DV=head_block(a.d_v),
+                  CAUSAL=a.causal is not None, DOT_PREC=dot_precision(q.dtype))
+    sizes = (a.h_q, a.groups, a.n_q, a.n_k, off, a.scale * LOG2E, a.scale,
+             length_bucket(a.n_q), length_bucket(a.n_k))
+    with launch_device(q):
+        block = 64
+        _attn_bwd_preprocess_kernel[(triton.cdiv(a.n_q, block), a.h_q, a.batch)](
+            o, do, lse, delta, lse2, *so, *sdo, a.h_q, a.n_q,
+            D_V=a.d_v, BLOCK_DV=head_block(a.d_v), BLOCK_M=block)
+        _attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)](
+            q, k, v, do, lse2, delta, dk, dv, *sq, *sk, *sv, *sdo,
+            *strides_bhnd(dk, a.layout), *strides_bhnd(dv, a.layout), *sizes, **common)
+        _attn_bwd_dq_kernel[lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)](
+            q, k, v, do, lse2, delta, dq, *sq, *sk, *sv, *sdo, *strides_bhnd(dq, a.layout),
+            *sizes, **common)
+    launches["bwd"] += 1
+    return dq, dk, dv

@@ -1,0 +1,96 @@
+"""Public entry points: ``attention`` and ``attention_jvp``."""
+
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch._C._functorch import TransformType
+
+from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
+from flashjvp._common import interpreting
+from flashjvp._validate import check_inputs
+from flashjvp.ref import attention_jvp_ref, attention_ref
+
+__all__ = ["attention", "attention_jvp"]
+
+# CPU fallback without the interpreter: query rows per block, so memory stays O(block * Nk).
+_CPU_BLOCK_Q = 256
+
+
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda or (x.device.type == "cpu" and interpreting())
+
+
+def _needs_math_path() -> bool:
+    """``torch.func.vmap`` (and so ``jacfwd``) and nested forward transforms run the math
+    reference: the Triton launch is neither batchable nor differentiable to second order."""
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    keys = [i.key() for i in stack]
+    return TransformType.Vmap in keys or keys.count(TransformType.Jvp) > 1
+
+
+def _has_tangent(x: torch.Tensor) -> bool:
+    return fwAD.unpack_dual(x).tangent is not None
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
+    """Scaled dot-product attention ``softmax(scale * q @ k^T) @ v`` (FlashAttention).
+
+    Args:
+        q: (B, Hq, Nq, Dqk) for ``layout="bhnd"``, (B, Nq, Hq, Dqk) for ``"bnhd"``.
+        k: (B, Hkv, Nk, Dqk) / (B, Nk, Hkv, Dqk); ``Hq % Hkv == 0`` (GQA/MQA: query head ``h``
+            uses kv head ``h // (Hq // Hkv)``).
+        v: (B, Hkv, Nk, Dv) / (B, Nk, Hkv, Dv).
+            Any strides (each tensor its own); float16, bfloat16 or float32, all the same dtype;
+            ``1 <= Dqk, Dv <= 256``; any ``Nq, Nk >= 1``.
+        causal: ``False``; ``True`` or ``"top_left"`` (PyTorch SDPA: query i sees keys j <= i);
+            ``"bottom_right"`` (flash-attn: query i sees keys j <= i + Nk - Nq). A row that sees
+            no key gives zeros.
+        scale: softmax scale, default ``Dqk ** -0.5``.
+        layout: ``"bhnd"`` or ``"bnhd"``; the output uses the same one.
+
+    Returns:
+        o: (B, Hq, Nq, Dv) / (B, Nq, Hq, Dv), dtype of q.
+
+    Differentiable (Triton backward) and forward-differentiable: under ``torch.func.jvp`` or
+    ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
+    """
+    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
+    if not _use_kernels(q) or _needs_math_path():
+        return attention_ref(q, k, v, causal=causal, scale=scale, layout=layout,
+                             block_q=None if q.is_cuda else _CPU_BLOCK_Q)
+    defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
+    o, _ = AttentionFunction.apply(q, k, v, a, defer)
+    return o
+
+
+def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
+                  layout="bhnd", return_lse=False):
+    """Attention and its forward-mode derivative in one fused kernel launch.
+
+    Args:
+        q, k, v, causal, scale, layout: as in :func:`attention`.
+        tq, tk, tv: tangents with the shapes and dtypes of q, k, v (strides may differ);
+            ``None`` means zero, and the matrix products it would feed are skipped.
+        return_lse: also return ``lse`` and its tangent ``mu``.
+
+    Returns:
+        ``(o, to)``, or ``(o, to, lse, mu)`` with ``lse, mu`` (B, Hq, Nq) float32
+        (``lse = -inf``, ``mu = 0`` for rows that see no key). ``o`` and ``to`` have o's layout.
+
+    ``o`` is differentiable w.r.t. q, k, v; gradients through ``to``/``lse``/``mu`` raise
+    ``NotImplementedError`` (second order is not supported yet).
+    """
+    a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
+                     allow_float64=False)
+    if not _use_kernels(q) or _needs_math_path():
+        o, to, lse, mu = attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale,
+                                           layout=layout, return_lse=True,
+                                           block_q=None if q.is_cuda else _CPU_BLOCK_Q)
+    else:
+        o, to, lse, mu = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, return_lse)
+        if to is None:
+            to = torch.zeros_like(o)
+        if return_lse and mu is None:
+            mu = torch.zeros_like(lse)
+    return (o, to, lse, mu) if return_lse else (o, to)
