@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from flashjvp._bwd import attn_bwd
-from flashjvp._common import empty_out
+from flashjvp._common import empty_out, lse_buffer
 from flashjvp._fwd import attn_fwd
 from flashjvp._validate import AttnArgs
 
@@ -31,7 +31,7 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, a: AttnArgs, defer: bool):
         if defer:  # jvp() follows and fills both
-            lse = torch.empty((a.batch, a.h_q, a.n_q), dtype=torch.float32, device=q.device)
+            lse = lse_buffer(a.batch, a.h_q, a.n_q, q.device)
             return empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q), lse
         o, _, lse, _ = attn_fwd(q, k, v, None, None, None, a)
         return o, lse

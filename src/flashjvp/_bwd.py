@@ -9,13 +9,13 @@ P is recomputed from q, k and lse; no N x N buffer exists.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from flashjvp._common import (
-    LOG2E_K,
     LOG2E,
+    LOG2E_K,
+    buffer_like,
     dot_precision,
     head_block,
     interpreting,
@@ -242,9 +242,8 @@ launches = {"bwd": 0}
 def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` given ``do``, from the saved
     ``lse`` (B, Hq, Nq) float32. Gradients have their input's shape and layout."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    delta = torch.empty_like(lse)
-    lse2 = torch.empty_like(lse)
+    dq, dk, dv = buffer_like(q), buffer_like(k), buffer_like(v)
+    delta, lse2 = buffer_like(lse), buffer_like(lse)
     off = (a.n_k - a.n_q) if a.causal == "bottom_right" else 0
     sq, sk, sv, sdo, so = (strides_bhnd(x, a.layout) for x in (q, k, v, do, o))
     common = dict(D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=head_block(a.d_qk), BLOCK_DV=head_block(a.d_v),

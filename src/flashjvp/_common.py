@@ -41,9 +41,34 @@ def strides_bhnd(x: torch.Tensor | None, layout: str) -> tuple[int, int, int, in
     return s if layout == "bhnd" else (s[0], s[2], s[1], s[3])
 
 
+# Debug aid used by the tests: FLASHJVP_POISON=1 fills every buffer a kernel must write with NaN,
+# so an element the kernel leaves unwritten fails the comparison instead of passing by luck.
+POISON = os.environ.get("FLASHJVP_POISON", "0") == "1"
+
+
+def _poison(x: torch.Tensor) -> torch.Tensor:
+    return x.fill_(float("nan")) if POISON else x
+
+
+def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An output buffer the kernels overwrite completely (NaN-filled under FLASHJVP_POISON=1)."""
+    return _poison(torch.empty(shape, dtype=dtype, device=device))
+
+
+def buffer_like(x: torch.Tensor) -> torch.Tensor:
+    """``new_buffer`` with ``x``'s shape, dtype and (dense) strides, as autograd expects for grads."""
+    return _poison(torch.empty_like(x))
+
+
 def empty_out(batch: int, heads: int, n: int, d: int, layout: str, like: torch.Tensor):
+    """Attention output buffer in ``layout``, contiguous."""
     shape = (batch, heads, n, d) if layout == "bhnd" else (batch, n, heads, d)
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return new_buffer(shape, like.dtype, like.device)
+
+
+def lse_buffer(a_batch: int, heads: int, n: int, device) -> torch.Tensor:
+    """Per-row float32 statistics (lse, mu, delta): (B, H, N), contiguous."""
+    return new_buffer((a_batch, heads, n), torch.float32, device)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -23,6 +23,7 @@ from flashjvp._common import (
     launch_device,
     length_bucket,
     load_tile,
+    lse_buffer,
     strides_bhnd,
 )
 from flashjvp._validate import AttnArgs
@@ -205,9 +206,9 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     if o is None:
         o = empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q)
     if lse is None:
-        lse = torch.empty((a.batch, a.h_q, a.n_q), dtype=torch.float32, device=q.device)
+        lse = lse_buffer(a.batch, a.h_q, a.n_q, q.device)
     to = empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q) if jvp else None
-    mu = torch.empty_like(lse) if (jvp and store_mu) else None
+    mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
     off = (a.n_k - a.n_q) if a.causal == "bottom_right" else 0
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731

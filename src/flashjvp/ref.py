@@ -7,7 +7,6 @@ PyTorch transform (it is made of differentiable ``torch`` ops only).
 
 from __future__ import annotations
 
-
 import torch
 
 from flashjvp._validate import AttnArgs, check_inputs
