@@ -1,0 +1,100 @@
+"""Input builders and the dtype-relative comparison used by every kernel test."""
+
+from __future__ import annotations
+
+import torch
+
+import flashjvp
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+# bf16 tl.dot is wrong in Triton's CPU interpreter: bf16 numerics are tested on the GPU only.
+DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float32, torch.float16]
+DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# Absolute floor of the tolerance, relative to the reference's magnitude.
+FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+# The kernel's error may be this many times PyTorch's own error in the same dtype.
+FACTOR = 3.0
+MEMORY_KINDS = ("contiguous", "swapped", "sliced", "strided")
+
+
+def shape_of(b, h, n, d, layout):
+    return (b, h, n, d) if layout == "bhnd" else (b, n, h, d)
+
+
+def make_tensor(shape, kind: str, dtype, device=DEVICE) -> torch.Tensor:
+    """Random normal tensor of logical ``shape`` stored in the memory layout ``kind``:
+    contiguous; ``swapped`` (dims 1 and 2 swapped in memory); ``sliced`` (a window of a larger
+    tensor, offset start); ``strided`` (last dim has stride 2)."""
+    b, a1, a2, d = shape
+    randn = lambda *size: torch.randn(*size, device=device).to(dtype)
+    if kind == "contiguous":
+        return randn(*shape)
+    if kind == "swapped":
+        return randn(b, a2, a1, d).transpose(1, 2)
+    if kind == "sliced":
+        return randn(b, a1 + 2, a2 + 3, d + 5)[:, 1 : a1 + 1, 2 : a2 + 2, 3 : d + 3]
+    if kind == "strided":
+        return randn(b, a1, a2, 2 * d)[..., ::2]
+    raise ValueError(f"unknown memory kind {kind!r}")
+
+
+def make_qkv(b, hq, hkv, nq, nk, dqk, dv, layout, dtype, kinds=None, tangents=True, device=DEVICE):
+    """q, k, v (and tq, tk, tv) each in its own memory layout (``kinds``, cycled)."""
+    kinds = kinds or MEMORY_KINDS
+    shapes = [shape_of(b, hq, nq, dqk, layout), shape_of(b, hkv, nk, dqk, layout), shape_of(b, hkv, nk, dv, layout)]
+    prim = [make_tensor(s, kinds[i % len(kinds)], dtype, device) for i, s in enumerate(shapes)]
+    if not tangents:
+        return prim
+    tan = [make_tensor(s, kinds[(i + 2) % len(kinds)], dtype, device) for i, s in enumerate(shapes)]
+    return prim + tan
+
+
+def f64(xs):
+    return [None if x is None else x.detach().double() for x in xs]
+
+
+def assert_close(name, out, ref, ref_lowp, dtype, factor=FACTOR):
+    """|out - ref| <= factor * |ref_lowp - ref|_max + FLOOR[dtype] * max(1, |ref|_max), elementwise,
+    where ``ref`` is float64 and ``ref_lowp`` the same math done by PyTorch in ``dtype``.
+    NaN fails (outputs start as NaN: an element the kernel never wrote is caught here)."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    out, ref, ref_lowp = out.detach().double(), ref.detach().double(), ref_lowp.detach().double()
+    inf = torch.isinf(ref)
+    if inf.any():
+        assert torch.equal(torch.isinf(out), inf) and torch.equal(out[inf], ref[inf]), f"{name}: -inf pattern differs"
+        out, ref, ref_lowp = out[~inf], ref[~inf], ref_lowp[~inf]
+        if out.numel() == 0:
+            return
+    nan = torch.isnan(out)
+    if nan.any():
+        idx = tuple(int(i) for i in nan.nonzero()[0])
+        raise AssertionError(f"{name}: {int(nan.sum())} NaN elements (unwritten or bad math), first at {idx}")
+    err = (out - ref).abs()
+    err_pt = (ref_lowp - ref).abs().max().item()
+    tol = factor * err_pt + FLOOR[dtype] * max(1.0, ref.abs().max().item())
+    worst = err.max().item()
+    if worst > tol:
+        flat = int(err.argmax())
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))
+        raise AssertionError(
+            f"{name}: max error {worst:.3e} at index {idx} (got {out[idx].item():.6g}, expected "
+            f"{ref[idx].item():.6g}) exceeds tolerance {tol:.3e} = {factor} x PyTorch's {dtype} error "
+            f"{err_pt:.3e} + floor; {int((err > tol).sum())} of {err.numel()} elements out of tolerance")
+
+
+def jvp_refs(q, k, v, tq, tk, tv, **kw):
+    """(float64 truth, same math in the input dtype) of attention_jvp_ref with return_lse=True."""
+    truth = flashjvp.attention_jvp_ref(*f64((q, k, v, tq, tk, tv)), return_lse=True, **kw)
+    lowp = flashjvp.attention_jvp_ref(q, k, v, tq, tk, tv, return_lse=True, **kw)
+    return truth, lowp
+
+
+def grad_refs(q, k, v, do, **kw):
+    """Gradients of <attention_ref(q, k, v), do> in float64 and in the input dtype."""
+    out = []
+    for xs in (f64((q, k, v, do)), [x.detach() for x in (q, k, v, do)]):
+        leaves = [x.clone().requires_grad_() for x in xs[:3]]
+        o = flashjvp.attention_ref(*leaves, **kw)
+        out.append(torch.autograd.grad(o, leaves, xs[3]))
+    return out

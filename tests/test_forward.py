@@ -1,0 +1,101 @@
+"""Fused forward + JVP kernel against the float64 math reference."""
+
+import pytest
+import torch
+from helpers import DTYPE_IDS, DTYPES, MEMORY_KINDS, assert_close, jvp_refs, make_qkv
+
+import flashjvp
+
+# (B, Hq, Hkv, Nq, Nk, Dqk, Dv)
+SHAPES = [
+    pytest.param((1, 1, 1, 1, 1, 16, 16), id="n1"),
+    pytest.param((2, 2, 2, 37, 37, 40, 40), id="n37-d40"),
+    pytest.param((1, 3, 1, 37, 19, 72, 24), id="gqa3-37x19-d72x24"),
+    pytest.param((1, 2, 2, 19, 53, 96, 72), id="cross19x53-d96x72"),
+    pytest.param((1, 2, 1, 5, 7, 1, 3), id="mqa-d1x3"),
+    pytest.param((1, 1, 1, 17, 9, 256, 200), id="d256x200"),
+]
+CAUSAL = [pytest.param(c, id=f"causal={c}") for c in (False, "top_left", "bottom_right")]
+DT = [pytest.param(d, id=DTYPE_IDS[d]) for d in DTYPES]
+
+
+def _layout_and_kinds(shape, causal):
+    """Alternate the API layout and rotate each tensor's memory layout across the matrix."""
+    i = (sum(shape) + len(str(causal))) % len(MEMORY_KINDS)
+    layout = ("bhnd", "bnhd")[i % 2]
+    return layout, MEMORY_KINDS[i:] + MEMORY_KINDS[:i]
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_jvp_matches_reference(shape, causal, dtype):
+    layout, kinds = _layout_and_kinds(shape, causal)
+    q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype, kinds)
+    scale = 0.3 if shape[5] == 1 else None
+    o, to, lse, mu = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout,
+                                            scale=scale, return_lse=True)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout=layout, scale=scale)
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), (o, to, lse, mu), truth, lowp):
+        assert got.dtype == (dtype if name in ("o", "to") else torch.float32)
+        assert_close(name, got, ref, ref_lp, dtype)
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_attention_forward_matches_reference(shape, causal, dtype):
+    layout, kinds = _layout_and_kinds(shape, causal)
+    q, k, v = make_qkv(*shape, "bnhd" if layout == "bhnd" else "bhnd", dtype, kinds, tangents=False)
+    layout = "bnhd" if layout == "bhnd" else "bhnd"
+    o = flashjvp.attention(q, k, v, causal=causal, layout=layout)
+    truth = flashjvp.attention_ref(q.double(), k.double(), v.double(), causal=causal, layout=layout)
+    assert_close("o", o, truth, flashjvp.attention_ref(q, k, v, causal=causal, layout=layout), dtype)
+
+
+def test_long_self_attention_n999():
+    q, k, v, tq, tk, tv = make_qkv(1, 1, 1, 999, 999, 16, 16, "bhnd", torch.float32)
+    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=True)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=True)
+    assert_close("o", o, truth[0], lowp[0], torch.float32)
+    assert_close("to", to, truth[1], lowp[1], torch.float32)
+
+
+SUBSETS = [(), ("tq",), ("tk",), ("tv",), ("tq", "tk"), ("tk", "tv"), ("tq", "tv")]
+
+
+@pytest.mark.parametrize("given", SUBSETS, ids=lambda g: "+".join(g) or "none")
+def test_missing_tangents_are_zero(given):
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 21, 33, 24, 40, "bnhd", torch.float32)
+    tangents = {"tq": tq, "tk": tk, "tv": tv}
+    kw = {n: (t if n in given else None) for n, t in tangents.items()}
+    o, to, lse, mu = flashjvp.attention_jvp(q, k, v, **kw, causal="bottom_right", layout="bnhd", return_lse=True)
+    truth, lowp = jvp_refs(q, k, v, **kw, causal="bottom_right", layout="bnhd")
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), (o, to, lse, mu), truth, lowp):
+        assert_close(name, got, ref, ref_lp, torch.float32)
+    if not given:
+        assert torch.count_nonzero(to) == 0 and torch.count_nonzero(mu) == 0
+
+
+@pytest.mark.parametrize("causal", ["bottom_right", "top_left"])
+def test_rows_without_visible_keys_are_zero(causal):
+    """bottom-right causal with Nq > Nk: the first Nq - Nk rows see no key."""
+    nq, nk = 23, 7
+    q, k, v, tq, tk, tv = make_qkv(2, 2, 2, nq, nk, 16, 16, "bhnd", torch.float32)
+    o, to, lse, mu = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, return_lse=True)
+    assert not any(torch.isnan(x).any() for x in (o, to, lse, mu))
+    if causal == "bottom_right":
+        empty = slice(0, nq - nk)
+        assert torch.count_nonzero(o[:, :, empty]) == 0 and torch.count_nonzero(to[:, :, empty]) == 0
+        assert torch.count_nonzero(mu[:, :, empty]) == 0
+        assert torch.isneginf(lse[:, :, empty]).all()
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal)
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), (o, to, lse, mu), truth, lowp):
+        assert_close(name, got, ref, ref_lp, torch.float32)
+
+
+def test_reference_chunked_matches_unchunked():
+    q, k, v = make_qkv(1, 2, 2, 40, 30, 8, 8, "bhnd", torch.float64, tangents=False)
+    full = flashjvp.attention_ref(q, k, v, causal="bottom_right")
+    chunked = flashjvp.attention_ref(q, k, v, causal="bottom_right", block_q=7)
+    torch.testing.assert_close(chunked, full, rtol=0, atol=1e-12)
