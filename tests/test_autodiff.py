@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn as nn
-from helpers import DEVICE, assert_close, jvp_refs, make_qkv
 
 import flashjvp
 from flashjvp import _fwd
+from helpers import DEVICE, assert_close, jvp_refs, make_qkv
 
 
 class Block(nn.Module):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from helpers import DTYPE_IDS, DTYPES, MEMORY_KINDS, assert_close, grad_refs, make_qkv, make_tensor, shape_of
 
 import flashjvp
+from helpers import DTYPE_IDS, DTYPES, MEMORY_KINDS, assert_close, grad_refs, make_qkv, make_tensor, shape_of
 
 SHAPES = [
     pytest.param((1, 1, 1, 1, 1, 16, 16), id="n1"),

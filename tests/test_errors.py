@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import DEVICE
 
 import flashjvp
 from flashjvp import _fwd
+from helpers import DEVICE
 
 
 def _qkv(**over):

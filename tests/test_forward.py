@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from helpers import DTYPE_IDS, DTYPES, MEMORY_KINDS, assert_close, jvp_refs, make_qkv
 
 import flashjvp
+from helpers import DTYPE_IDS, DTYPES, MEMORY_KINDS, assert_close, jvp_refs, make_qkv
 
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv)
 SHAPES = [

@@ -1,0 +1,91 @@
+"""Full-size checks on the GPU (skipped on the CPU): the reference kernel's own test matrix in
+fp16/bf16/fp32, long sequences, a side stream."""
+
+import pytest
+import torch
+
+import flashjvp
+from helpers import DTYPE_IDS, assert_close, grad_refs, jvp_refs, make_qkv
+
+pytestmark = pytest.mark.gpu
+DT = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
+
+# (B, Hq, Hkv, Nq, Nk, Dqk, Dv, causal)
+JVP_MATRIX = [
+    pytest.param((1, 2, 2, 1024, 1024, 64, 64, False), id="sa1024"),
+    pytest.param((1, 2, 2, 1024, 1024, 64, 64, True), id="sa1024-causal"),
+    pytest.param((1, 2, 2, 999, 999, 64, 64, False), id="sa999"),
+    pytest.param((1, 2, 2, 999, 999, 64, 64, True), id="sa999-causal"),
+    pytest.param((1, 2, 2, 256, 1024, 64, 128, False), id="ca256x1024-d64x128"),
+    pytest.param((1, 2, 2, 1000, 15, 128, 32, False), id="ca1000x15-d128x32"),
+    pytest.param((1, 2, 2, 512, 512, 16, 32, False), id="ca512x512-d16x32"),
+    pytest.param((1, 2, 2, 515, 999, 16, 32, False), id="ca515x999-d16x32"),
+    pytest.param((1, 8, 2, 777, 1333, 72, 72, "bottom_right"), id="gqa4-777x1333-d72-br"),
+    pytest.param((2, 4, 4, 1031, 517, 96, 40, "top_left"), id="1031x517-d96x40-tl"),
+    pytest.param((1, 2, 1, 300, 300, 256, 256, True), id="d256-causal"),
+]
+BWD_MATRIX = [
+    pytest.param((1, 2, 2, 1024, 1024, 64, 64, False), id="sa1024"),
+    pytest.param((1, 2, 2, 1024, 1024, 64, 64, True), id="sa1024-causal"),
+    pytest.param((1, 2, 2, 999, 999, 64, 64, False), id="sa999"),
+    pytest.param((1, 2, 2, 999, 999, 64, 64, True), id="sa999-causal"),
+    pytest.param((1, 2, 2, 256, 1024, 128, 128, False), id="ca256x1024"),
+    pytest.param((1, 2, 2, 1024, 256, 128, 128, False), id="ca1024x256"),
+    pytest.param((1, 2, 2, 1024, 512, 64, 64, "bottom_right"), id="ca1024x512-br"),
+    pytest.param((1, 2, 2, 1000, 515, 64, 64, False), id="ca1000x515"),
+    pytest.param((1, 8, 2, 777, 1333, 72, 40, "top_left"), id="gqa4-777x1333-d72x40-tl"),
+    pytest.param((1, 2, 1, 300, 300, 256, 256, True), id="d256-causal"),
+    pytest.param((1, 2, 2, 8192, 8192, 128, 128, True), id="n8192-causal"),
+]
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("case", JVP_MATRIX)
+def test_jvp_full_size(case, dtype):
+    *shape, causal = case
+    layout = "bnhd" if shape[3] % 2 else "bhnd"
+    q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype)
+    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout, return_lse=True)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout=layout)
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
+        assert_close(name, got, ref, ref_lp, dtype)
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("case", BWD_MATRIX)
+def test_backward_full_size(case, dtype):
+    *shape, causal = case
+    layout = "bnhd" if shape[3] % 2 else "bhnd"
+    q, k, v = make_qkv(*shape, layout, dtype, tangents=False)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    o = flashjvp.attention(*leaves, causal=causal, layout=layout)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, leaves, do)
+    truth, lowp = grad_refs(q, k, v, do, causal=causal, layout=layout)
+    for name, g, ref, ref_lp in zip(("dq", "dk", "dv"), grads, truth, lowp):
+        assert_close(name, g, ref, ref_lp, dtype)
+
+
+def test_side_stream_and_device_context():
+    q, k, v, tq, tk, tv = make_qkv(2, 4, 2, 333, 444, 64, 64, "bnhd", torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, layout="bnhd")
+    torch.cuda.current_stream().wait_stream(stream)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, layout="bnhd")
+    assert_close("o", o, truth[0], lowp[0], torch.bfloat16)
+    assert_close("to", to, truth[1], lowp[1], torch.bfloat16)
+
+
+def test_forward_allocates_only_outputs():
+    q, k, v, tq, tk, tv = make_qkv(2, 8, 8, 2048, 2048, 64, 64, "bhnd", torch.bfloat16, kinds=("contiguous",))
+    flashjvp.attention_jvp(q, k, v, tq, tk, tv)  # warm-up / autotune
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    expected = 2 * o.numel() * o.element_size() + 2 * 8 * 2048 * 4  # o, to, lse (+ mu slack)
+    assert extra <= expected + (1 << 20), f"forward+JVP allocated {extra} bytes, outputs need {expected}"
