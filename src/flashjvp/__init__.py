@@ -2,6 +2,7 @@
 
 from flashjvp.interface import attention, attention_jvp
 from flashjvp.ref import attention_jvp_ref, attention_ref
+from flashjvp.sdpa import patch_sdpa, sdpa
 
-__all__ = ["attention", "attention_jvp", "attention_ref", "attention_jvp_ref"]
+__all__ = ["attention", "attention_jvp", "attention_ref", "attention_jvp_ref", "sdpa", "patch_sdpa"]
 __version__ = "0.1.0"

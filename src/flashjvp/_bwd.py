@@ -18,6 +18,7 @@ from flashjvp._common import (
     buffer_like,
     dot_precision,
     head_block,
+    autotuning,
     interpreting,
     launch_device,
     length_bucket,
@@ -30,6 +31,8 @@ from flashjvp._validate import AttnArgs
 def _bwd_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    if not autotuning():
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3),
@@ -38,6 +41,7 @@ def _bwd_configs():
 
 
 def _prune_bwd_configs(configs, named_args, **kwargs):
+    named_args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
     d = max(named_args["BLOCK_DQK"], named_args["BLOCK_DV"])
     kept = [c for c in configs if not (d > 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)]
     return kept or configs[:1]
@@ -53,7 +57,7 @@ _EVEN_D = {
 @triton.jit
 def _attn_bwd_preprocess_kernel(
     O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod,
-    H_Q, N_Q, D_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    H_Q, N_Q, D_V, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """delta = rowsum(dO * O); lse2 = lse * log2(e), +inf for rows that saw no key (P = 0)."""
     pid_m = tl.program_id(0)
@@ -108,7 +112,7 @@ def _attn_bwd_dkdv_kernel(
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -192,7 +196,7 @@ def _attn_bwd_dq_kernel(
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -254,7 +258,7 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
         block = 64
         _attn_bwd_preprocess_kernel[(triton.cdiv(a.n_q, block), a.h_q, a.batch)](
             o, do, lse, delta, lse2, *so, *sdo, a.h_q, a.n_q,
-            D_V=a.d_v, BLOCK_DV=head_block(a.d_v), BLOCK_M=block)
+            a.d_v, BLOCK_DV=head_block(a.d_v), BLOCK_M=block)
         _attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)](
             q, k, v, do, lse2, delta, dk, dv, *sq, *sk, *sv, *sdo,
             *strides_bhnd(dk, a.layout), *strides_bhnd(dv, a.layout), *sizes, **common)

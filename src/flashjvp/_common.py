@@ -22,6 +22,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def autotuning() -> bool:
+    """``FLASHJVP_AUTOTUNE=0`` replaces the autotune lists by one fixed config per kernel
+    (fast start-up: the test suites compile many shapes)."""
+    return os.environ.get("FLASHJVP_AUTOTUNE", "1") != "0"
+
+
 def head_block(d: int) -> int:
     """Tile width for a head dim: the next power of two, at least 16 (``tl.dot``'s minimum)."""
     return max(16, triton.next_power_of_2(d))

@@ -19,6 +19,7 @@ from flashjvp._common import (
     dot_precision,
     empty_out,
     head_block,
+    autotuning,
     interpreting,
     launch_device,
     length_bucket,
@@ -32,6 +33,8 @@ from flashjvp._validate import AttnArgs
 def _fwd_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    if not autotuning():
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in [
@@ -43,6 +46,7 @@ def _fwd_configs():
 
 def _prune_fwd_configs(configs, named_args, **kwargs):
     """Drop tiles that cannot fit: wide heads with tangents need smaller key blocks."""
+    named_args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
     d = max(named_args["BLOCK_DQK"], named_args["BLOCK_DV"])
     jvp = named_args["HAS_TQ"] or named_args["HAS_TK"] or named_args["HAS_TV"]
     kept = [c for c in configs
@@ -120,7 +124,7 @@ def _attn_fwd_kernel(
     s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
     N_Q_BUCKET, N_K_BUCKET,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
