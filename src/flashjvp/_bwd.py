@@ -15,10 +15,10 @@ import triton.language as tl
 from flashjvp._common import (
     LOG2E,
     LOG2E_K,
+    autotuning,
     buffer_like,
     dot_precision,
     head_block,
-    autotuning,
     interpreting,
     launch_device,
     length_bucket,
@@ -29,22 +29,31 @@ from flashjvp._validate import AttnArgs
 
 
 def _bwd_configs():
+    """Candidate tiles, the default (used with FLASHJVP_AUTOTUNE=0) first."""
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    if not autotuning():
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=2)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3),
-                             (32, 64, 4, 3), (128, 128, 8, 2)]
+                             (32, 64, 4, 3), (128, 128, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1)]
     ]
 
 
 def _prune_bwd_configs(configs, named_args, **kwargs):
-    named_args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
-    d = max(named_args["BLOCK_DQK"], named_args["BLOCK_DV"])
-    kept = [c for c in configs if not (d > 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)]
-    return kept or configs[:1]
+    """Keep tiles whose streamed tiles fit in shared memory and whose fp32 accumulators fit in
+    registers (dK and dV per key block, dQ per query block); without autotuning the first."""
+    args = {**named_args, **kwargs}
+    d = args["BLOCK_DQK"] + args["BLOCK_DV"]
+    elt = args["Q"].element_size()
+
+    def fits(c):
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        smem = (c.num_stages + 1) * max(bm, bn) * d * elt
+        acc_regs = max(bm, bn) * d // (32 * c.num_warps)
+        return smem <= 200 * 1024 and acc_regs <= 128
+
+    kept = [c for c in configs if fits(c)] or configs[-1:]
+    return kept if autotuning() else kept[:1]
 
 
 _BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "DOT_PREC"]

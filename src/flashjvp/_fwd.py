@@ -16,10 +16,10 @@ import triton.language as tl
 from flashjvp._common import (
     LN2_K,
     LOG2E,
+    autotuning,
     dot_precision,
     empty_out,
     head_block,
-    autotuning,
     interpreting,
     launch_device,
     length_bucket,
@@ -31,29 +31,35 @@ from flashjvp._validate import AttnArgs
 
 
 def _fwd_configs():
+    """Candidate tiles, the default (used with FLASHJVP_AUTOTUNE=0) first."""
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    if not autotuning():
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
         for bm, bn, w, s in [
-            (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-            (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3),
+            (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4),
+            (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1),
         ]
     ]
 
 
 def _prune_fwd_configs(configs, named_args, **kwargs):
-    """Drop tiles that cannot fit: wide heads with tangents need smaller key blocks."""
-    named_args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
-    d = max(named_args["BLOCK_DQK"], named_args["BLOCK_DV"])
-    jvp = named_args["HAS_TQ"] or named_args["HAS_TK"] or named_args["HAS_TV"]
-    kept = [c for c in configs
-            if not (d > 128 and c.kwargs["BLOCK_N"] > 64)
-            and not (jvp and d > 128 and c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] > 64 * 64)
-            and not (jvp and c.kwargs["BLOCK_N"] > 64)]
-    return kept or configs[-1:]
+    """Keep tiles whose pipelined K/V (and tK/tV) buffers fit in shared memory and whose fp32
+    accumulators fit in registers; without autotuning keep the first that fits."""
+    args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
+    dqk, dv = args["BLOCK_DQK"], args["BLOCK_DV"]
+    elt = args["Q"].element_size()
+    n_tan_kv = int(args["HAS_TK"]) * dqk + int(args["HAS_TV"]) * dv
+    jvp = args["HAS_TQ"] or args["HAS_TK"] or args["HAS_TV"]
+
+    def fits(c):
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        smem = c.num_stages * bn * (dqk + dv + n_tan_kv) * elt + bm * dqk * elt * (2 if jvp else 1)
+        acc_regs = bm * dv * (2 if jvp else 1) // (32 * c.num_warps)  # fp32 accumulators per thread
+        return smem <= 200 * 1024 and acc_regs <= 128 and not (jvp and bn > 64)
+
+    kept = [c for c in configs if fits(c)] or configs[-1:]
+    return kept if autotuning() else kept[:1]
 
 
 @triton.jit

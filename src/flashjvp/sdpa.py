@@ -24,8 +24,8 @@ import contextvars
 import math
 import sys
 import threading
-import types
 import warnings
+from types import FunctionType
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -57,7 +57,7 @@ _redispatch = getattr(torch._C, "_skip_one_hop_torch_function", None)
 
 
 def _is_python_functional(func) -> bool:
-    return isinstance(func, types.FunctionType) and func.__module__ == "torch.nn.functional"
+    return isinstance(func, FunctionType) and func.__module__ == "torch.nn.functional"
 
 
 class SDPAFallbackWarning(UserWarning):
@@ -153,8 +153,9 @@ def _safe_softmax(x: torch.Tensor) -> torch.Tensor:
 
 def _math_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
-    """PyTorch's math SDPA backend in plain ``torch`` ops (same arguments and result as
-    :func:`sdpa`), so that forward-mode AD, ``vmap`` and backward all work.
+    """PyTorch's math SDPA backend in plain ``torch`` ops, so that forward-mode AD, ``vmap`` and
+    backward all work. Arguments, shapes and result as in :func:`sdpa`; the arguments must be
+    valid for SDPA (:func:`sdpa` sends invalid ones to PyTorch's SDPA, which raises).
 
     Mirrors ATen's ``_scaled_dot_product_attention_math``: float16/bfloat16 are computed in
     float32 unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``, the scale is

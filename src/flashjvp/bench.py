@@ -1,0 +1,571 @@
+"""Benchmark: flashjvp against PyTorch SDPA and other JVP attention kernels (``python -m flashjvp.bench``).
+
+Every measurement is the median of ``triton.testing.do_bench``, converted to TFLOP/s with the
+counts of :func:`attention_flops`, plus the peak memory the call allocates beyond its inputs. A
+failing measurement (unsupported shape, CUDA OOM, missing backward) becomes a skipped row with its
+reason; the run itself never stops on one. The report part (:func:`format_report`,
+:func:`write_report`, :func:`plot`) is pure: it works on a list of :class:`Row` on any machine.
+See ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import platform
+import re
+import shlex
+import sys
+import time
+import traceback
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+MODES = ("fwd", "fwd_jvp", "bwd", "scm")
+RUN_ORDER = ("fwd_jvp", "scm", "fwd", "bwd")  # so a --time-limit cuts the least central modes
+BUILTIN_PROVIDERS = ("flashjvp", "torch-flash", "torch-cudnn", "torch-math-jvp", "jvp-flash-attention")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Live (B, H, Nq, Nk) float32 buffers of the math SDPA JVP (it upcasts half inputs to fp32).
+MATH_NXN_BUFFERS = 6
+MATH_MEMORY_FRACTION = 0.6
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A named workload; ``all_tangents=False`` means tk = tv = None (only q has a tangent)."""
+
+    id: str
+    name: str
+    b: int
+    hq: int
+    hkv: int
+    nq: int
+    nk: int
+    d: int
+    causal: bool = False
+    all_tangents: bool = True
+
+    @property
+    def dims(self) -> str:
+        h = f"H{self.hq}" if self.hq == self.hkv else f"Hq{self.hq}/Hkv{self.hkv}"
+        n = f"N{self.nq}" if self.nq == self.nk else f"Nq{self.nq}/Nk{self.nk}"
+        return f"B{self.b} {h} {n} D{self.d}" + (" causal" if self.causal else "")
+
+    @property
+    def tangents(self) -> str:
+        return "q,k,v" if self.all_tangents else "q"
+
+    @property
+    def scale(self) -> float:
+        return self.d**-0.5
+
+    def flops(self, mode: str) -> float:
+        return attention_flops(self.b, self.hq, self.nq, self.nk, self.d, self.d, self.causal, mode,
+                               self.all_tangents)
+
+
+SHAPES = (
+    Shape("1", "sa4k-d64", 4, 32, 32, 4096, 4096, 64),
+    Shape("2", "sa4k-d64-causal", 4, 32, 32, 4096, 4096, 64, causal=True),
+    Shape("3", "dit-image-d128", 2, 24, 24, 4096, 4096, 128),
+    Shape("4", "wan1.3b-480p", 1, 12, 12, 32768, 32768, 128),
+    Shape("5", "dit-xl2-256px", 32, 16, 16, 256, 256, 72),
+    Shape("6", "dit-xl2-512px", 8, 16, 16, 1024, 1024, 72),
+    Shape("7", "video-xattn-tq", 1, 40, 40, 32760, 512, 128, all_tangents=False),
+    Shape("7b", "video-xattn-tqkv", 1, 40, 40, 32760, 512, 128),
+    Shape("8", "gqa8k-causal", 2, 32, 8, 8192, 8192, 128, causal=True),
+)
+
+
+def attention_flops(b, hq, nq, nk, dqk, dv, causal, mode, all_tangents=True) -> float:
+    """FLOPs credited to one call: forward = 2*B*Hq*Nq*Nk*(Dqk+Dv) (two matmuls), times the visible
+    fraction when causal (1/2 for Nq == Nk); fwd_jvp = 3x forward (2x when tk = tv = None);
+    bwd = 2.5x forward; scm = fwd_jvp + fwd + bwd. Same count for every provider of a workload."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    frac = 1.0
+    if causal:  # top-left: query i sees keys 0..i
+        m = min(nq, nk)
+        frac = 0.5 if nq == nk else (m * (m + 1) / 2 + (nq - m) * nk) / (nq * nk)
+    fwd = 2.0 * b * hq * nq * nk * (dqk + dv) * frac
+    jvp = (3.0 if all_tangents else 2.0) * fwd
+    return {"fwd": fwd, "fwd_jvp": jvp, "bwd": 2.5 * fwd, "scm": jvp + fwd + 2.5 * fwd}[mode]
+
+
+@dataclass
+class Row:
+    """One measurement (``skip`` set, numbers None, when it did not run)."""
+
+    shape: str
+    name: str
+    dims: str
+    tangents: str
+    provider: str
+    mode: str
+    ms: float | None = None
+    tflops: float | None = None
+    peak_mib: float | None = None
+    skip: str | None = None
+    first_call_s: float | None = None
+
+
+@dataclass
+class Inputs:
+    """Random inputs of one shape (tk, tv None for q-only shapes)."""
+
+    s: Shape
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    tq: torch.Tensor
+    tk: torch.Tensor | None
+    tv: torch.Tensor | None
+    do: torch.Tensor
+
+
+@dataclass
+class Provider:
+    """``fwd(x) -> o`` and ``jvp(x) -> (o, to)``; ``check(shape)`` returns a skip reason or None;
+    ``zero_fill``: absent tangents are passed as zero tensors (allocated outside the timing)."""
+
+    name: str
+    modes: tuple[str, ...]
+    fwd: Callable | None = None
+    jvp: Callable | None = None
+    check: Callable[[Shape], str | None] | None = None
+    zero_fill: bool = False
+
+
+def _sdpa(backends) -> Callable:
+    from torch.nn.attention import sdpa_kernel
+
+    def fwd(x: Inputs):
+        gqa = {"enable_gqa": True} if x.s.hq != x.s.hkv else {}
+        with sdpa_kernel(backends):
+            return torch.nn.functional.scaled_dot_product_attention(
+                x.q, x.k, x.v, is_causal=x.s.causal, scale=x.s.scale, **gqa)
+    return fwd
+
+
+def _math_jvp(x: Inputs):
+    from torch.nn.attention import SDPBackend
+
+    f = _sdpa(SDPBackend.MATH)
+    if x.tk is None and x.tv is None:  # differentiate w.r.t. q only: the zero tangents cost nothing
+        return torch.func.jvp(lambda q: f(replace(x, q=q)), (x.q,), (x.tq,))
+    return torch.func.jvp(lambda q, k, v: f(replace(x, q=q, k=k, v=v)), (x.q, x.k, x.v), (x.tq, x.tk, x.tv))
+
+
+def _math_check(s: Shape) -> str | None:
+    need = MATH_NXN_BUFFERS * 4 * s.b * s.hq * s.nq * s.nk
+    free = torch.cuda.mem_get_info()[0]
+    if need > MATH_MEMORY_FRACTION * free:
+        return (f"memory estimate {need / 2**30:.0f} GiB ({MATH_NXN_BUFFERS} fp32 Nq x Nk buffers) > "
+                f"{MATH_MEMORY_FRACTION:.0%} of free {free / 2**30:.0f} GiB")
+    return None
+
+
+def _jfa_check(s: Shape) -> str | None:
+    if s.nq != s.nk or s.hq != s.hkv:
+        return "jvp-flash-attention: self-attention without GQA only (needs Nq == Nk, Hq == Hkv)"
+    return None
+
+
+def builtin_provider(name: str) -> Provider:
+    """A built-in provider; raises ImportError when its package is missing."""
+    from torch.nn.attention import SDPBackend
+
+    if name == "flashjvp":
+        import flashjvp
+
+        return Provider(name, MODES,
+                        fwd=lambda x: flashjvp.attention(x.q, x.k, x.v, causal=x.s.causal, scale=x.s.scale),
+                        jvp=lambda x: flashjvp.attention_jvp(x.q, x.k, x.v, x.tq, x.tk, x.tv,
+                                                             causal=x.s.causal, scale=x.s.scale))
+    if name == "torch-flash":
+        return Provider(name, ("fwd", "bwd"), fwd=_sdpa(SDPBackend.FLASH_ATTENTION))
+    if name == "torch-cudnn":
+        return Provider(name, ("fwd", "bwd"), fwd=_sdpa(SDPBackend.CUDNN_ATTENTION))
+    if name == "torch-math-jvp":  # scm: math JVP, then fused SDPA forward + backward
+        fused = _sdpa([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                       SDPBackend.EFFICIENT_ATTENTION])
+        return Provider(name, ("fwd_jvp", "scm"), fwd=fused, jvp=_math_jvp, check=_math_check)
+    if name == "jvp-flash-attention":
+        from jvp_flash_attention.jvp_attention import JVPAttn
+
+        def jvp(x: Inputs):
+            f = lambda q, k, v: JVPAttn.fwd_dual(q, k, v, causal=x.s.causal, sm_scale=x.s.scale)
+            return torch.func.jvp(f, (x.q, x.k, x.v), (x.tq, x.tk, x.tv))
+
+        return Provider(name, MODES, fwd=lambda x: JVPAttn.fwd(x.q, x.k, x.v, causal=x.s.causal,
+                                                               sm_scale=x.s.scale),
+                        jvp=jvp, check=_jfa_check, zero_fill=True)
+    raise ValueError(f"unknown provider {name!r}")
+
+
+def _stub_module(name: str) -> types.ModuleType:
+    def missing(attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        def fail(*args, **kwargs):
+            raise NotImplementedError(f"flash_attn is not installed (stub): {name}.{attr} is unavailable")
+        return fail
+
+    mod = types.ModuleType(name)
+    mod.__getattr__ = missing
+    return mod
+
+
+def install_flash_attn_stub() -> None:
+    """Put stand-ins for ``flash_attn`` and ``flash_attn.flash_attn_interface`` in ``sys.modules``:
+    any function imported from them raises NotImplementedError when called."""
+    pkg, sub = _stub_module("flash_attn"), _stub_module("flash_attn.flash_attn_interface")
+    pkg.__path__ = []
+    pkg.flash_attn_interface = sub
+    sys.modules.update({"flash_attn": pkg, "flash_attn.flash_attn_interface": sub})
+
+
+def load_kernel(spec: str) -> tuple[Provider, str]:
+    """``NAME=path/to/file.py:attr`` -> (provider, note). ``attr(q, k, v, tq, tk, tv, causal, scale)
+    -> (o, to)`` in bhnd layout. A failing ``flash_attn`` import is replaced by a stub (its
+    forward + JVP still runs; anything calling flash_attn, e.g. the backward, is skipped)."""
+    name, _, target = spec.partition("=")
+    path, _, attr = target.rpartition(":")
+    if not (name and path and attr):
+        raise ValueError(f"--kernel wants NAME=path/to/file.py:attr, got {spec!r}")
+    mod_name = "flashjvp_bench_kernel_" + re.sub(r"\W", "_", name)
+    note = f"{path}:{attr}"
+    for attempt in range(2):
+        mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if mod_spec is None:
+            raise ValueError(f"cannot load {path!r}")
+        mod = importlib.util.module_from_spec(mod_spec)
+        sys.modules[mod_name] = mod
+        try:
+            mod_spec.loader.exec_module(mod)
+            break
+        except ImportError as e:
+            sys.modules.pop(mod_name, None)
+            if attempt or not ((e.name or "").startswith("flash_attn") or "flash_attn" in str(e)):
+                raise
+            install_flash_attn_stub()
+            note += " (flash_attn missing: stub installed, its backward is unavailable)"
+    fn = getattr(mod, attr)
+    call = lambda x: fn(x.q, x.k, x.v, x.tq, x.tk, x.tv, x.s.causal, x.s.scale)
+    return Provider(name, ("fwd_jvp", "bwd", "scm"), fwd=lambda x: call(x)[0], jvp=call, zero_fill=True), note
+
+
+def make_inputs(s: Shape, dtype: torch.dtype, device="cuda") -> Inputs:
+    """Fresh standard-normal inputs, tangents and output gradient (never zeros)."""
+    r = lambda h, n: torch.randn(s.b, h, n, s.d, device=device, dtype=dtype)
+    tk, tv = (r(s.hkv, s.nk), r(s.hkv, s.nk)) if s.all_tangents else (None, None)
+    return Inputs(s, r(s.hq, s.nq), r(s.hkv, s.nk), r(s.hkv, s.nk), r(s.hq, s.nq), tk, tv, r(s.hq, s.nq))
+
+
+def build(p: Provider, mode: str, x: Inputs) -> tuple[Callable, list[torch.Tensor]]:
+    """The callable to time for ``mode`` and the leaves whose ``.grad`` is reset between calls."""
+    if p.zero_fill:
+        x = replace(x, tk=torch.zeros_like(x.k) if x.tk is None else x.tk,
+                    tv=torch.zeros_like(x.v) if x.tv is None else x.tv)
+    if mode == "fwd":
+        return (lambda: p.fwd(x)), []
+    if mode == "fwd_jvp":
+        return (lambda: p.jvp(x)), []
+    g = replace(x, q=x.q.detach().requires_grad_(), k=x.k.detach().requires_grad_(),
+                v=x.v.detach().requires_grad_())
+    leaves = [g.q, g.k, g.v]
+    if mode == "bwd":
+        o = p.fwd(g)
+        return (lambda: o.backward(x.do, retain_graph=True)), leaves
+
+    def scm_step():  # sCM: JVP without grad for the target, then a training forward + backward
+        with torch.no_grad():
+            p.jvp(g)
+        p.fwd(g).backward(x.do)
+    return scm_step, leaves
+
+
+def measure(fn: Callable, leaves: list[torch.Tensor], quick: bool) -> tuple[float, float, float]:
+    """(median ms, peak extra MiB, first-call seconds). The first call compiles and autotunes;
+    the memory is measured on the second: peak allocated during it minus allocated before it."""
+    import triton.testing
+
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for t in leaves:
+        t.grad = None
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    del out
+    for t in leaves:
+        t.grad = None
+    warmup, rep = (5, 20) if quick else (25, 100)
+    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=leaves or None,
+                                 return_mode="median")
+    return ms, peak, first
+
+
+def _reason(e: BaseException, caught) -> str:
+    """One line: exception type and message (the failing source line when the message is empty),
+    then the first warnings seen (SDPA explains a 'No available kernel' there)."""
+    msg = " ".join(str(e).split())
+    if not msg:
+        tb = traceback.extract_tb(e.__traceback__)
+        msg = f"{tb[-1].line} ({Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    hints = list(dict.fromkeys(" ".join(str(w.message).split()) for w in caught))[:3]
+    text = f"{type(e).__name__}: {msg}" + (" | " + "; ".join(hints) if hints else "")
+    return text[:400]
+
+
+def run_one(p: Provider, mode: str, x: Inputs, quick: bool) -> Row:
+    """Measure one (shape, provider, mode); any exception becomes a skipped row."""
+    s = x.s
+    row = Row(s.id, s.name, s.dims, s.tangents, p.name, mode)
+    caught: list = []
+    before = torch.cuda.memory_allocated()
+    try:
+        row.skip = p.check(s) if p.check else None
+        if row.skip is None:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn, leaves = build(p, mode, x)
+                row.ms, row.peak_mib, row.first_call_s = measure(fn, leaves, quick)
+            row.tflops = s.flops(mode) / row.ms / 1e9
+    except Exception as e:  # noqa: BLE001 - recorded as a skip, the run goes on
+        row.skip = _reason(e, caught)
+    fn = leaves = None
+    if torch.cuda.memory_allocated() > before:  # kept alive by a cycle (a traceback): collect it
+        gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def run(shapes, providers, modes, dtype, quick=False, time_limit=0.0, log=print,
+        checkpoint=None) -> list[Row]:
+    """Every (mode, shape, provider) the provider supports, modes in ``RUN_ORDER`` (the JVP first);
+    past ``time_limit`` seconds (0: none) the remaining ones are recorded as skipped.
+    ``checkpoint(rows)`` runs whenever the inputs change (one shape done)."""
+    todo = [(s, p, m) for m in RUN_ORDER if m in modes for s in shapes for p in providers if m in p.modes]
+    rows: list[Row] = []
+    start, x = time.perf_counter(), None
+    for i, (s, p, mode) in enumerate(todo):
+        elapsed = time.perf_counter() - start
+        if time_limit and elapsed > time_limit:
+            if rows and not (rows[-1].skip or "").startswith("time limit"):
+                log(f"time limit {time_limit:g} s reached: skipping the last {len(todo) - i} measurements")
+            rows.append(Row(s.id, s.name, s.dims, s.tangents, p.name, mode,
+                            skip=f"time limit reached (--time-limit {time_limit:g} s)"))
+            continue
+        if x is None or x.s is not s:
+            if x is not None and checkpoint:
+                checkpoint(rows)
+            x = None
+            torch.cuda.empty_cache()
+            x = make_inputs(s, dtype)
+        row = run_one(p, mode, x, quick)
+        rows.append(row)
+        res = (f"{row.ms:9.3f} ms {row.tflops:7.1f} TFLOP/s {row.peak_mib:9.0f} MiB"
+               if row.skip is None else f"skipped: {row.skip[:110]}")
+        log(f"[{i + 1:3d}/{len(todo)} {elapsed:5.0f}s] {mode:<7} {s.id:>2} {s.name:<17} {p.name:<20} {res}")
+    return rows
+
+
+def _md_table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def speedups(rows: list[Row], mode: str = "fwd_jvp", base: str = "flashjvp") -> dict[tuple[str, str], float]:
+    """{(shape, provider): provider ms / base ms} for ``mode`` rows measured for both (>1: base faster)."""
+    ms = {(r.shape, r.provider): r.ms for r in rows if r.mode == mode and r.ms}
+    return {(sh, p): t / ms[(sh, base)] for (sh, p), t in ms.items() if p != base and (sh, base) in ms}
+
+
+def skip_speedups(rows: list[Row]) -> list[tuple[str, str, str, float, float, float]]:
+    """fwd_jvp with tk = tv = None against the same shape with all tangents, per provider:
+    (provider, q-only shape, all-tangents shape, ms q-only, ms all, speedup)."""
+    by = {(r.dims, r.tangents, r.provider): r for r in rows if r.mode == "fwd_jvp" and r.ms}
+    out = []
+    for (dims, tangents, p), r in by.items():
+        twin = by.get((dims, "q,k,v", p))
+        if tangents == "q" and twin is not None:
+            out.append((p, r.shape, twin.shape, r.ms, twin.ms, twin.ms / r.ms))
+    return out
+
+
+def format_report(rows: list[Row], meta: dict) -> str:
+    """Markdown: a table per mode, then flashjvp's speedups and the zero-tangent speedup."""
+    parts = [f"# flashjvp benchmark: {meta.get('gpu', '?')}",
+             f"torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, {meta.get('dtype', '?')}, "
+             f"{meta.get('date', '?')}  \n`{meta.get('command', '')}`"]
+    parts += [f"- {k}: not available ({v})" for k, v in meta.get("unavailable", {}).items()]
+    parts += [f"- kernel {k}: {v}" for k, v in meta.get("kernels", {}).items()]
+    for mode in MODES:
+        sel = [r for r in rows if r.mode == mode]
+        if sel:
+            body = [[f"{r.shape} {r.name}", r.dims, r.tangents if mode in ("fwd_jvp", "scm") else "",
+                     r.provider, _fmt(r.ms, ".3f"), _fmt(r.tflops, ".1f"), _fmt(r.peak_mib, ".0f"),
+                     (r.skip or "")[:160]] for r in sel]
+            header = ["shape", "dims", "tangents", "provider", "ms", "TFLOP/s", "peak extra MiB", "skipped"]
+            parts += [f"## {mode}", _md_table(header, body)]
+    for mode in ("fwd_jvp", "scm"):
+        sp = speedups(rows, mode)
+        others = list(dict.fromkeys(p for _, p in sp))
+        if others:
+            shapes = list(dict.fromkeys(sh for sh, _ in sp))
+            body = [[sh] + [_fmt(sp.get((sh, p)), ".2f") + ("x" if (sh, p) in sp else "") for p in others]
+                    for sh in shapes]
+            parts += [f"## flashjvp speedup, {mode} (provider ms / flashjvp ms)",
+                      _md_table(["shape"] + others, body)]
+    sk = skip_speedups(rows)
+    if sk:
+        body = [[p, f"{a} vs {b}", f"{ta:.3f}", f"{tb:.3f}", f"{x:.2f}x"] for p, a, b, ta, tb, x in sk]
+        parts += ["## fwd_jvp with tK = tV = None vs all tangents",
+                  _md_table(["provider", "shapes", "ms tq only", "ms all", "speedup"], body)]
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Bar chart of TFLOP/s per shape, grouped by provider, one panel per mode (skips: no bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in MODES if any(r.mode == m for r in rows)]
+    shapes = list(dict.fromkeys((r.shape, r.name) for r in rows))
+    providers = list(dict.fromkeys(r.provider for r in rows))
+    tf = {(r.shape, r.provider, r.mode): r.tflops for r in rows if r.tflops}
+    fig, axes = plt.subplots(len(modes), 1, figsize=(max(8.0, 1.3 * len(shapes) + 2), 3.4 * len(modes)),
+                             squeeze=False)
+    width = 0.8 / max(1, len(providers))
+    for ax, mode in zip(axes[:, 0], modes):
+        for i, p in enumerate(providers):
+            xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(shapes))]
+            ax.bar(xs, [tf.get((sh, p, mode), 0.0) for sh, _ in shapes], width, label=p)
+        ax.set_xticks(range(len(shapes)), [f"{sh}\n{name}" for sh, name in shapes], fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(mode)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].legend(fontsize=7, ncol=min(3, len(providers)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(rows: list[Row], meta: dict, out_dir: Path, with_plot: bool = True) -> dict[str, Path]:
+    """Write ``bench.json`` (meta + rows), ``bench.md`` and, with matplotlib, ``bench.png``;
+    returns their paths (no "png" when the plot could not be made)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "bench.json", "md": out_dir / "bench.md"}
+    paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    paths["md"].write_text(format_report(rows, meta))
+    if with_plot and importlib.util.find_spec("matplotlib") is not None:
+        try:
+            plot(rows, out_dir / "bench.png")
+            paths["png"] = out_dir / "bench.png"
+        except Exception as e:  # noqa: BLE001 - the numbers are written already
+            print(f"flashjvp.bench: plot failed: {e!r}", file=sys.stderr)
+    return paths
+
+
+def select_shapes(keys: list[str] | None) -> list[Shape]:
+    """Shapes by id ("1", "7b") or name, in the given order; all when ``keys`` is empty."""
+    keys = [k for key in keys or [] for k in key.split(",") if k]
+    if not keys:
+        return list(SHAPES)
+    table = {s.id: s for s in SHAPES} | {s.name: s for s in SHAPES}
+    unknown = [k for k in keys if k not in table]
+    if unknown:
+        known = ", ".join(f"{s.id}={s.name}" for s in SHAPES)
+        raise ValueError(f"unknown shape(s) {unknown}; known: {known}")
+    return list(dict.fromkeys(table[k] for k in keys))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    shapes = "; ".join(f"{s.id}={s.name} ({s.dims}, tangents {s.tangents})" for s in SHAPES)
+    ap = argparse.ArgumentParser(prog="python -m flashjvp.bench", epilog=f"shapes: {shapes}",
+                                 description="Benchmark flashjvp against PyTorch SDPA and other JVP "
+                                             "attention kernels; see benchmarks/README.md.")
+    ap.add_argument("--shapes", nargs="+", help="shape ids or names (space/comma separated); default all")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--providers", nargs="+", choices=BUILTIN_PROVIDERS, default=list(BUILTIN_PROVIDERS),
+                    help="built-in providers (kernels given with --kernel always run)")
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME=FILE.py:ATTR",
+                    help="extra kernel attr(q, k, v, tq, tk, tv, causal, scale) -> (o, to); repeatable")
+    ap.add_argument("--dtype", choices=DTYPES, default="bf16")
+    ap.add_argument("--quick", action="store_true", help="fewer do_bench repetitions (5 ms warmup, 20 ms)")
+    ap.add_argument("--time-limit", type=float, default=480.0,
+                    help="seconds after which remaining measurements are skipped (0: no limit; default 480)")
+    ap.add_argument("--out", type=Path, help="output folder; default benchmarks/results/<gpu-name-slug>/")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        shapes = select_shapes(args.shapes)
+    except ValueError as e:
+        ap.error(str(e))
+    if not torch.cuda.is_available():
+        print("flashjvp.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    providers, unavailable, kernels = [], {}, {}
+    for name in args.providers:
+        try:
+            providers.append(builtin_provider(name))
+        except ImportError as e:
+            unavailable[name] = f"not importable: {e}"
+    for spec in args.kernel:
+        try:
+            p, kernels[spec.partition("=")[0]] = load_kernel(spec)
+            providers.append(p)
+        except Exception as e:  # noqa: BLE001 - reported, the other providers still run
+            unavailable[spec] = _reason(e, [])
+    gpu = torch.cuda.get_device_name()
+    argv_used = sys.argv[1:] if argv is None else argv
+    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "-m", "flashjvp.bench", *argv_used]), "dtype": args.dtype,
+            "quick": args.quick, "unavailable": unavailable, "kernels": kernels,
+            "shapes": [asdict(s) | {"dims": s.dims} for s in shapes]}
+    for k, v in {**unavailable, **kernels}.items():
+        print(f"{k}: {v}", flush=True)
+    out = args.out or Path("benchmarks/results") / re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    t0 = time.perf_counter()
+    rows = run(shapes, providers, args.modes, DTYPES[args.dtype], args.quick, args.time_limit,
+               log=lambda line: print(line, flush=True),
+               checkpoint=lambda rows: write_report(rows, {**meta, "partial": True}, out, with_plot=False))
+    meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    paths = write_report(rows, meta, out)
+    print("\n" + format_report(rows, meta))
+    print("wrote " + ", ".join(str(p) for p in paths.values()) + f" ({meta['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""flashjvp.bench on the CPU: FLOP counting, the pure report (table, JSON, plot), the command line,
+the flash_attn stub of the kernel loader, and one tiny end-to-end run with the CUDA calls faked."""
+
+import functools
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+
+from flashjvp import bench
+from flashjvp.bench import Row, Shape, attention_flops
+
+
+def test_flops_forward_causal_and_modes():
+    fwd = attention_flops(2, 3, 8, 8, 4, 4, False, "fwd")
+    assert fwd == 4 * 2 * 3 * 8 * 8 * 4
+    assert attention_flops(2, 3, 8, 8, 4, 4, True, "fwd") == fwd / 2
+    assert attention_flops(2, 3, 8, 8, 4, 4, False, "fwd_jvp") == 3 * fwd
+    assert attention_flops(2, 3, 8, 8, 4, 4, False, "fwd_jvp", all_tangents=False) == 2 * fwd
+    assert attention_flops(2, 3, 8, 8, 4, 4, False, "bwd") == 2.5 * fwd
+    assert attention_flops(2, 3, 8, 8, 4, 4, False, "scm") == (3 + 1 + 2.5) * fwd
+    assert attention_flops(2, 3, 8, 8, 4, 4, True, "scm", all_tangents=False) == (2 + 1 + 2.5) * fwd / 2
+    # Dqk != Dv: one matmul over each head dim
+    assert attention_flops(1, 1, 8, 8, 16, 32, False, "fwd") == 2 * 8 * 8 * (16 + 32)
+    # causal cross-attention (top-left): query i sees min(i + 1, Nk) keys
+    assert attention_flops(1, 1, 4, 8, 4, 4, True, "fwd") == 2 * (1 + 2 + 3 + 4) * 8
+    with pytest.raises(ValueError):
+        attention_flops(1, 1, 4, 4, 4, 4, False, "nope")
+
+
+def test_flops_of_named_shapes():
+    by_id = {s.id: s for s in bench.SHAPES}
+    assert by_id["1"].flops("fwd") == 4 * 4 * 32 * 4096 * 4096 * 64
+    assert by_id["2"].flops("fwd_jvp") == by_id["1"].flops("fwd_jvp") / 2
+    assert by_id["7"].flops("fwd_jvp") / by_id["7b"].flops("fwd_jvp") == pytest.approx(2 / 3)
+    assert by_id["8"].flops("fwd") == 4 * 2 * 32 * 8192 * 8192 * 128 / 2  # GQA counts query heads
+    assert by_id["8"].dims == "B2 Hq32/Hkv8 N8192 D128 causal"
+    assert by_id["7"].dims == "B1 H40 Nq32760/Nk512 D128" and by_id["7"].tangents == "q"
+
+
+def _row(shape, provider, mode, ms=None, skip=None, all_tangents=True):
+    s = Shape(shape, f"name{shape}", 1, 2, 2, 64, 32 if shape.startswith("7") else 64, 16,
+              all_tangents=all_tangents)
+    tflops = None if ms is None else s.flops(mode) / ms / 1e9
+    peak = None if ms is None else 12.0
+    return Row(s.id, s.name, s.dims, s.tangents, provider, mode, ms, tflops, peak, skip)
+
+
+def _rows():
+    return [
+        _row("1", "flashjvp", "fwd", 1.0),
+        _row("1", "torch-flash", "fwd", 0.8),
+        _row("1", "flashjvp", "fwd_jvp", 2.0),
+        _row("1", "torch-math-jvp", "fwd_jvp", 10.0),
+        _row("1", "reference", "fwd_jvp", 3.0),
+        _row("1", "reference", "bwd", skip="NotImplementedError: flash_attn is not installed (stub) | x"),
+        _row("1", "flashjvp", "scm", 5.0),
+        _row("7", "flashjvp", "fwd_jvp", 1.0, all_tangents=False),
+        _row("7b", "flashjvp", "fwd_jvp", 1.5),
+        _row("7", "torch-math-jvp", "fwd_jvp", skip="memory estimate 999 GiB", all_tangents=False),
+    ]
+
+
+def test_speedups():
+    rows = _rows()
+    assert bench.speedups(rows) == {("1", "torch-math-jvp"): 5.0, ("1", "reference"): 1.5}
+    assert bench.speedups(rows, "scm") == {}
+    assert bench.skip_speedups(rows) == [("flashjvp", "7", "7b", 1.0, 1.5, 1.5)]
+
+
+def test_report_files(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = _rows()
+    meta = {"gpu": "Fake GPU", "torch": "2.x", "triton": "3.x", "date": "2025-01-01T00:00:00+00:00",
+            "command": "python -m flashjvp.bench --quick", "dtype": "bf16",
+            "unavailable": {"jvp-flash-attention": "not importable"}}
+    paths = bench.write_report(rows, meta, tmp_path / "out")
+    data = json.loads(paths["json"].read_text())
+    for key in ("gpu", "torch", "triton", "date", "command"):
+        assert data[key] == meta[key]
+    assert len(data["rows"]) == len(rows)
+    r0 = data["rows"][0]
+    assert {"shape", "name", "provider", "mode", "ms", "tflops", "peak_mib", "skip"} <= set(r0)
+    assert r0["tflops"] == pytest.approx(rows[0].tflops) and r0["skip"] is None
+    assert data["rows"][5]["skip"].startswith("NotImplementedError") and data["rows"][5]["ms"] is None
+    assert paths["png"].exists() and paths["png"].stat().st_size > 1000
+    md = paths["md"].read_text()
+    assert "## fwd_jvp" in md and "5.00x" in md and "1.50x" in md and "Fake GPU" in md
+    assert "jvp-flash-attention: not available" in md
+    assert "| 1 name1 |" in md and "NotImplementedError" in md
+
+
+def test_report_without_plot_and_empty(tmp_path):
+    paths = bench.write_report([], {}, tmp_path, with_plot=False)
+    assert set(paths) == {"json", "md"}
+    assert json.loads(paths["json"].read_text())["rows"] == []
+
+
+def test_cli(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--kernel" in out and "--quick" in out and "7b=video-xattn-tqkv" in out
+    assert [s.id for s in bench.select_shapes(["1,7b", "gqa8k-causal"])] == ["1", "7b", "8"]
+    assert len(bench.select_shapes(None)) == len(bench.SHAPES)
+    with pytest.raises(ValueError, match="unknown shape"):
+        bench.select_shapes(["9"])
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "nope"])
+
+
+KERNEL = """
+import torch
+from flash_attn.flash_attn_interface import _flash_attn_backward
+
+import flashjvp
+
+
+class _F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, tq, tk, tv, causal, scale):
+        return flashjvp.attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale)
+
+    @staticmethod
+    def backward(ctx, do, dto):
+        _flash_attn_backward(do)
+
+
+attention = _F.apply
+"""
+
+
+@pytest.fixture
+def kernel_file(tmp_path):
+    """A kernel file that needs flash_attn (absent here) for its backward, like the reference."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed: no stub needed")
+    path = tmp_path / "kern.py"
+    path.write_text(KERNEL)
+    yield path
+    for name in ("flash_attn", "flash_attn.flash_attn_interface", "flashjvp_bench_kernel_kern"):
+        sys.modules.pop(name, None)
+
+
+def test_load_kernel_with_flash_attn_stub(kernel_file):
+    provider, note = bench.load_kernel(f"kern={kernel_file}:attention")
+    assert provider.name == "kern" and "stub" in note and provider.zero_fill
+    with pytest.raises(NotImplementedError, match="flash_attn is not installed"):
+        sys.modules["flash_attn.flash_attn_interface"]._flash_attn_backward()
+    with pytest.raises(ValueError):
+        bench.load_kernel("no-equals-sign")
+
+
+def test_tiny_run_on_cpu(kernel_file, monkeypatch):
+    """The measuring loop end to end on a tiny shape, CUDA memory calls and do_bench faked;
+    flashjvp takes its plain-PyTorch CPU path (the interpreter is too slow for a smoke test)."""
+    import triton.testing
+
+    import flashjvp.interface
+
+    monkeypatch.setattr(flashjvp.interface, "interpreting", lambda: False)
+    for fn in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, fn, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2**20)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**40, 2**40))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.5)[1])
+    monkeypatch.setattr(bench, "make_inputs", functools.partial(bench.make_inputs, device="cpu"))
+    shapes = [Shape("t", "tiny", 1, 2, 2, 16, 16, 16),
+              Shape("tq", "tiny-q", 1, 2, 2, 16, 8, 16, all_tangents=False)]
+    providers = [bench.builtin_provider(n) for n in ("flashjvp", "torch-cudnn", "torch-math-jvp")]
+    providers.append(bench.load_kernel(f"kern={kernel_file}:attention")[0])
+    lines = []
+    rows = bench.run(shapes, providers, bench.MODES, torch.float32, quick=True, log=lines.append)
+    assert len(rows) == len(lines) == 2 * (4 + 2 + 2 + 3)
+    got = {(r.shape, r.provider, r.mode): r for r in rows}
+    for r in rows:
+        assert (r.skip is None) == (r.ms is not None)
+    for mode in bench.MODES:
+        r = got[("t", "flashjvp", mode)]
+        assert r.ms == 0.5 and r.peak_mib == 1.0
+        assert r.tflops == pytest.approx(shapes[0].flops(mode) / 0.5e9)
+    assert got[("tq", "torch-math-jvp", "fwd_jvp")].ms == 0.5
+    assert got[("t", "kern", "fwd_jvp")].ms == 0.5
+    assert "flash_attn is not installed" in got[("t", "kern", "bwd")].skip
+    assert "flash_attn is not installed" in got[("t", "kern", "scm")].skip
+    assert got[("t", "torch-cudnn", "fwd")].skip  # no cuDNN attention on the CPU
+    late = bench.run(shapes[:1], providers[:1], ["fwd"], torch.float32, time_limit=1e-9, log=lines.append)
+    assert "time limit" in late[0].skip
