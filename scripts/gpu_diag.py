@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 CHILD = r'''
 import sys, torch
@@ -43,7 +44,14 @@ for mode in ("fwd", "bwd"):
             for layout in ("bhnd", "bnhd"):
                 VARIANTS.append((shape, kinds, layout, "float16", mode))
 
-for var in VARIANTS:
-    r = subprocess.run([sys.executable, "-c", CHILD, repr(var)], capture_output=True, text=True, timeout=120)
+
+
+def run(var):
+    r = subprocess.run([sys.executable, "-c", CHILD, repr(var)], capture_output=True, text=True, timeout=150)
     msg = r.stdout.strip() or ("ERR " + r.stderr.strip().splitlines()[-1][:150] if r.stderr.strip() else "no output")
-    print(var[4], var[0], var[1][0][:6], var[2], "->", msg, flush=True)
+    return f"{var[4]} {var[0]} {var[1][0][:6]} {var[2]} -> {msg}"
+
+
+with ThreadPoolExecutor(8) as pool:
+    for line in pool.map(run, VARIANTS):
+        print(line, flush=True)
