@@ -33,6 +33,15 @@ def head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def head_blocks(d_qk: int, d_v: int) -> tuple[int, int]:
+    """(BLOCK_DQK, BLOCK_DV) for the kernels: one width for both. On the H200 (Triton 3.6) tiles
+    with BLOCK_DQK != BLOCK_DV gave wrong tangents/gradients and illegal memory accesses (seen
+    with (128, 32) and (64, 32); correct in the interpreter), so the narrower one is padded
+    (masked) to the wider. See benchmarks/NOTES.md."""
+    b = max(head_block(d_qk), head_block(d_v))
+    return b, b
+
+
 def length_bucket(n: int) -> int:
     """Autotune key for a sequence length: powers of two from 64 to 16384, so a new length in
     the same bucket reuses the tuned config instead of re-running the autotuner."""

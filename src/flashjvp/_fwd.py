@@ -19,7 +19,7 @@ from flashjvp._common import (
     autotuning,
     dot_precision,
     empty_out,
-    head_block,
+    head_blocks,
     interpreting,
     launch_device,
     length_bucket,
@@ -220,6 +220,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     to = empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q) if jvp else None
     mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
     off = (a.n_k - a.n_q) if a.causal == "bottom_right" else 0
+    bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
@@ -229,7 +230,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             *[s for st in strides for s in st],
             a.h_q, a.groups, a.n_q, a.n_k, off, a.scale * LOG2E, a.scale,
             length_bucket(a.n_q), length_bucket(a.n_k),
-            D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=head_block(a.d_qk), BLOCK_DV=head_block(a.d_v),
+            D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
             CAUSAL=a.causal is not None, HAS_TQ=tq is not None, HAS_TK=tk is not None,
             HAS_TV=tv is not None, STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
         )
