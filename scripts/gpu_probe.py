@@ -74,9 +74,10 @@ def main():
         print(f"\nB={b} H={h} N={n} D={d} causal={causal}  (first fwd+jvp call incl. autotune: {first:.1f}s)")
         for name, (ms, mult) in res.items():
             print(f"  {name:18s} {ms:8.3f} ms  {fl * mult / ms * 1e-9:7.1f} TFLOP/s")
-        for kern in (_fwd._attn_fwd_kernel, _bwd._attn_bwd_dkdv_kernel, _bwd._attn_bwd_dq_kernel):
-            for key, cfg in list(kern.cache.items())[-2:]:
-                print("  config", kern.fn.__name__ if hasattr(kern, "fn") else "", cfg)
+        for name, kern in (("fwd", _fwd._attn_fwd_kernel), ("dkdv", _bwd._attn_bwd_dkdv_kernel),
+                           ("dq", _bwd._attn_bwd_dq_kernel)):
+            for cfg in list(kern.cache.values())[-2:]:
+                print(f"  {name} config: {cfg}")
         del q, k, v, tq, tk, tv, qg, kg, vg, o, do
         torch.cuda.empty_cache()
 

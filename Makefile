@@ -1,0 +1,37 @@
+# flashjvp: `make test` and `make demo` set up a fresh machine by themselves (a venv in .venv).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# CPU CI: torch's CPU build (2.13.0) and Triton 3.6 (its interpreter needs numpy < 2.4);
+# torchvision 0.28.0 is the release that pairs with torch 2.13.0 (timm needs it).
+DEPS := torch==2.13.0 triton==3.6.0 "numpy<2.4" pytest ruff \
+	timm==1.0.31 torchvision==0.28.0 diffusers==0.42.1 scikit-learn matplotlib tqdm
+HAS_GPU := $(shell $(PYTHON) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+
+.PHONY: test demo lint bench gpu-test clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(DEPS)
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: $(STAMP)  ## the whole suite; on a machine without a GPU the kernels run in Triton's interpreter
+	$(PY) -m pytest tests -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples scripts
+
+demo: $(STAMP)  ## train MeanFlow on the 8x8 digits (GPU if there is one, else a small CPU run)
+	$(PY) examples/meanflow_digits.py $(if $(filter 1,$(HAS_GPU)),,--cpu-demo) --out outputs/meanflow_digits
+
+bench:  ## on a GPU machine: the benchmark suite (results under benchmarks/results/<gpu>/)
+	PYTHONPATH=src $(PYTHON) -m flashjvp.bench
+
+gpu-test:  ## on a GPU machine: the full GPU test matrix
+	PYTHONPATH=src FLASHJVP_AUTOTUNE=0 $(PYTHON) -m pytest tests -q -n 8
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache
