@@ -417,8 +417,9 @@ def format_report(rows: list[Row], meta: dict) -> str:
     parts = [f"# flashjvp benchmark: {meta.get('gpu', '?')}",
              f"torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, {meta.get('dtype', '?')}, "
              f"{meta.get('date', '?')}  \n`{meta.get('command', '')}`"]
-    parts += [f"- {k}: not available ({v})" for k, v in meta.get("unavailable", {}).items()]
-    parts += [f"- kernel {k}: {v}" for k, v in meta.get("kernels", {}).items()]
+    notes = [f"- {k}: not available ({v})" for k, v in meta.get("unavailable", {}).items()]
+    notes += [f"- kernel {k}: {v}" for k, v in meta.get("kernels", {}).items()]
+    parts += ["\n".join(notes)] if notes else []
     for mode in MODES:
         sel = [r for r in rows if r.mode == mode]
         if sel:
@@ -453,20 +454,21 @@ def plot(rows: list[Row], path: Path) -> None:
 
     modes = [m for m in MODES if any(r.mode == m for r in rows)]
     shapes = list(dict.fromkeys((r.shape, r.name) for r in rows))
-    providers = list(dict.fromkeys(r.provider for r in rows))
+    color = {p: f"C{i}" for i, p in enumerate(dict.fromkeys(r.provider for r in rows))}
     tf = {(r.shape, r.provider, r.mode): r.tflops for r in rows if r.tflops}
     fig, axes = plt.subplots(len(modes), 1, figsize=(max(8.0, 1.3 * len(shapes) + 2), 3.4 * len(modes)),
                              squeeze=False)
-    width = 0.8 / max(1, len(providers))
     for ax, mode in zip(axes[:, 0], modes):
+        providers = list(dict.fromkeys(r.provider for r in rows if r.mode == mode))
+        width = 0.8 / len(providers)
         for i, p in enumerate(providers):
             xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(shapes))]
-            ax.bar(xs, [tf.get((sh, p, mode), 0.0) for sh, _ in shapes], width, label=p)
+            ax.bar(xs, [tf.get((sh, p, mode), 0.0) for sh, _ in shapes], width, label=p, color=color[p])
         ax.set_xticks(range(len(shapes)), [f"{sh}\n{name}" for sh, name in shapes], fontsize=7)
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(mode)
+        ax.set_title(f"{mode} (no bar: skipped)")
         ax.grid(axis="y", alpha=0.3)
-    axes[0, 0].legend(fontsize=7, ncol=min(3, len(providers)))
+        ax.legend(fontsize=7, ncol=min(3, len(providers)))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
