@@ -145,6 +145,7 @@ class Provider:
 
 
 def _sdpa(backends) -> Callable:
+    """PyTorch SDPA restricted to ``backends`` (GQA through ``enable_gqa``), as a provider ``fwd``."""
     from torch.nn.attention import sdpa_kernel
 
     def fwd(x: Inputs):
@@ -156,6 +157,7 @@ def _sdpa(backends) -> Callable:
 
 
 def _math_jvp(x: Inputs):
+    """Math SDPA under ``torch.func.jvp``: what plain PyTorch offers for a forward-mode derivative."""
     from torch.nn.attention import SDPBackend
 
     f = _sdpa(SDPBackend.MATH)
@@ -165,17 +167,12 @@ def _math_jvp(x: Inputs):
 
 
 def _math_check(s: Shape) -> str | None:
+    """Skip reason when the math JVP's score matrices would not fit comfortably (estimate)."""
     need = MATH_NXN_BUFFERS * 4 * s.b * s.hq * s.nq * s.nk
     free = torch.cuda.mem_get_info()[0]
     if need > MATH_MEMORY_FRACTION * free:
         return (f"memory estimate {need / 2**30:.0f} GiB ({MATH_NXN_BUFFERS} fp32 Nq x Nk buffers) > "
                 f"{MATH_MEMORY_FRACTION:.0%} of free {free / 2**30:.0f} GiB")
-    return None
-
-
-def _jfa_check(s: Shape) -> str | None:
-    if s.nq != s.nk or s.hq != s.hkv:
-        return "jvp-flash-attention: self-attention without GQA only (needs Nq == Nk, Hq == Hkv)"
     return None
 
 
@@ -207,30 +204,30 @@ def builtin_provider(name: str) -> Provider:
 
         return Provider(name, MODES, fwd=lambda x: JVPAttn.fwd(x.q, x.k, x.v, causal=x.s.causal,
                                                                sm_scale=x.s.scale),
-                        jvp=jvp, check=_jfa_check, zero_fill=True)
+                        jvp=jvp, zero_fill=True,
+                        check=lambda s: None if s.nq == s.nk and s.hq == s.hkv else
+                        "jvp-flash-attention: self-attention without GQA only (needs Nq == Nk, Hq == Hkv)")
     raise ValueError(f"unknown provider {name!r}")
-
-
-def _stub_module(name: str) -> types.ModuleType:
-    def missing(attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-
-        def fail(*args, **kwargs):
-            raise NotImplementedError(f"flash_attn is not installed (stub): {name}.{attr} is unavailable")
-        return fail
-
-    mod = types.ModuleType(name)
-    mod.__getattr__ = missing
-    return mod
 
 
 def install_flash_attn_stub() -> None:
     """Put stand-ins for ``flash_attn`` and ``flash_attn.flash_attn_interface`` in ``sys.modules``:
     any function imported from them raises NotImplementedError when called."""
-    pkg, sub = _stub_module("flash_attn"), _stub_module("flash_attn.flash_attn_interface")
-    pkg.__path__ = []
-    pkg.flash_attn_interface = sub
+    def stub(name: str) -> types.ModuleType:
+        def missing(attr: str):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+
+            def fail(*args, **kwargs):
+                raise NotImplementedError(f"flash_attn is not installed (stub): {name}.{attr} is unavailable")
+            return fail
+
+        mod = types.ModuleType(name)
+        mod.__getattr__ = missing  # PEP 562: serves every `from ... import name`
+        return mod
+
+    pkg, sub = stub("flash_attn"), stub("flash_attn.flash_attn_interface")
+    pkg.__path__, pkg.flash_attn_interface = [], sub
     sys.modules.update({"flash_attn": pkg, "flash_attn.flash_attn_interface": sub})
 
 
