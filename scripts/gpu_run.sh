@@ -8,10 +8,14 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1 FLASHJVP_POISON=1
 what=${1:-all}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-if [[ $what == all || $what == tests ]]; then
-  FLASHJVP_AUTOTUNE=0 timeout 320 python3 -m pytest tests -q --maxfail=25 -n 8 -p no:cacheprovider \
+if [[ $what == all || $what == tests || $what == tests+bench ]]; then
+  FLASHJVP_AUTOTUNE=0 timeout 280 python3 -m pytest tests -q --maxfail=40 -n 14 -p no:cacheprovider \
     --ignore=tests/test_example.py 2>&1 | tee "$OUT/tests.log" | tail -30
 fi
 if [[ $what == all || $what == probe ]]; then
   FLASHJVP_POISON=0 timeout 230 python3 scripts/gpu_probe.py 2>&1 | tee "$OUT/probe.log"
+fi
+if [[ $what == all || $what == bench || $what == tests+bench ]]; then
+  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-260} --out "$OUT/nvidia-h200" \
+    --kernel reference=benchmarks/third_party/reference_jvp.py:attention 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
