@@ -7,23 +7,19 @@ Needs ``pip install timm==1.0.31 torchvision==0.28.0 diffusers==0.42.1`` beside 
 skipped without them. On the CPU the kernels run in Triton's interpreter, so the models are tiny.
 """
 
-import os
+import copy
+import sys
+import warnings
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import copy  # noqa: E402
-import sys  # noqa: E402
-import warnings  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-from flashjvp import patch_sdpa  # noqa: E402
-from flashjvp._bwd import launches as bwd_launches  # noqa: E402
-from flashjvp._common import interpreting  # noqa: E402
-from flashjvp._fwd import launches as fwd_launches  # noqa: E402
-from flashjvp.sdpa import SDPAFallbackWarning  # noqa: E402
+from flashjvp import patch_sdpa
+from flashjvp._bwd import launches as bwd_launches
+from flashjvp._common import interpreting
+from flashjvp._fwd import launches as fwd_launches
+from flashjvp.sdpa import SDPAFallbackWarning
 
 sdpa_module = sys.modules["flashjvp.sdpa"]
 

@@ -4,27 +4,23 @@ Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1), so shapes sta
 of the kernel path checks the launch counters, so it fails if flashjvp's kernels are not used.
 """
 
-import os
+import sys
+import threading
+import warnings
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa_alias
 
-import sys  # noqa: E402
-import threading  # noqa: E402
-import warnings  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.autograd.forward_ad as fwAD  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-from torch.nn.functional import scaled_dot_product_attention as sdpa_alias  # noqa: E402
-
-import flashjvp  # noqa: E402
-from flashjvp import patch_sdpa, sdpa  # noqa: E402
-from flashjvp._bwd import launches as bwd_launches  # noqa: E402
-from flashjvp._common import interpreting  # noqa: E402
-from flashjvp._fwd import launches as fwd_launches  # noqa: E402
-from flashjvp.sdpa import SDPAFallbackWarning, _math_sdpa  # noqa: E402
+import flashjvp
+from flashjvp import patch_sdpa, sdpa
+from flashjvp._bwd import launches as bwd_launches
+from flashjvp._common import interpreting
+from flashjvp._fwd import launches as fwd_launches
+from flashjvp.sdpa import SDPAFallbackWarning, _math_sdpa
 
 sdpa_module = sys.modules["flashjvp.sdpa"]  # the package attribute `flashjvp.sdpa` is the function
 
