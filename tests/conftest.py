@@ -27,3 +27,14 @@ def seed(request):
     s = sum(map(ord, request.node.nodeid)) % (2**31)
     torch.manual_seed(s)
     return s
+
+
+@pytest.fixture
+def fresh_sdpa_warnings():
+    """Each test starts with no flashjvp.sdpa call site warned about yet."""
+    import sys
+
+    warned = sys.modules["flashjvp.sdpa"]._warned
+    warned.clear()
+    yield
+    warned.clear()

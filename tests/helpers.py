@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 import flashjvp
+from flashjvp._bwd import launches as bwd_launches
+from flashjvp._fwd import launches as fwd_launches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -98,3 +100,16 @@ def grad_refs(q, k, v, do, **kw):
         o = flashjvp.attention_ref(*leaves, **kw)
         out.append(torch.autograd.grad(o, leaves, xs[3]))
     return out
+
+
+class Launches:
+    """Counts flashjvp's forward and backward kernel launches inside a ``with`` block."""
+
+    def __enter__(self):
+        self._f0, self._b0 = fwd_launches["fwd"], bwd_launches["bwd"]
+        return self
+
+    def __exit__(self, *exc):
+        self.fwd = fwd_launches["fwd"] - self._f0
+        self.bwd = bwd_launches["bwd"] - self._b0
+        return False

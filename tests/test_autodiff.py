@@ -7,8 +7,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn as nn
 
 import flashjvp
-from flashjvp import _fwd
-from helpers import DEVICE, assert_close, jvp_refs, make_qkv
+from helpers import DEVICE, Launches, assert_close, jvp_refs, make_qkv
 
 
 class Block(nn.Module):
@@ -38,9 +37,9 @@ def _twin_models(causal=False):
 
 
 def _count_launches(fn):
-    before = _fwd.launches["fwd"]
-    out = fn()
-    return out, _fwd.launches["fwd"] - before
+    with Launches() as n:
+        out = fn()
+    return out, n.fwd
 
 
 def test_func_jvp_is_one_fused_launch():

@@ -16,12 +16,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashjvp import patch_sdpa
-from flashjvp._bwd import launches as bwd_launches
 from flashjvp._common import interpreting
-from flashjvp._fwd import launches as fwd_launches
 from flashjvp.sdpa import SDPAFallbackWarning
+from helpers import Launches
 
 sdpa_module = sys.modules["flashjvp.sdpa"]
+pytestmark = pytest.mark.usefixtures("fresh_sdpa_warnings")
 
 # Schemas of the torchvision ops that torchvision registers fake kernels for unconditionally;
 # kept alive here for the life of the test process.
@@ -65,26 +65,6 @@ def vit_cls():
 def dit_cls():
     _import_torchvision()  # diffusers imports it too, where installed
     return pytest.importorskip("diffusers").DiTTransformer2DModel
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warnings():
-    sdpa_module._warned.clear()
-    yield
-    sdpa_module._warned.clear()
-
-
-class Launches:
-    """Counts flashjvp's forward and backward kernel launches inside a ``with`` block."""
-
-    def __enter__(self):
-        self._f0, self._b0 = fwd_launches["fwd"], bwd_launches["bwd"]
-        return self
-
-    def __exit__(self, *exc):
-        self.fwd = fwd_launches["fwd"] - self._f0
-        self.bwd = bwd_launches["bwd"] - self._b0
-        return False
 
 
 def _spread_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

@@ -17,37 +17,16 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa_alias
 
 import flashjvp
 from flashjvp import patch_sdpa, sdpa
-from flashjvp._bwd import launches as bwd_launches
 from flashjvp._common import interpreting
-from flashjvp._fwd import launches as fwd_launches
 from flashjvp.sdpa import SDPAFallbackWarning, _math_sdpa
+from helpers import Launches
 
 sdpa_module = sys.modules["flashjvp.sdpa"]  # the package attribute `flashjvp.sdpa` is the function
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on the CPU")
+pytestmark = [pytest.mark.usefixtures("fresh_sdpa_warnings"),
+              pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on the CPU")]
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_warnings():
-    """Each test (and parametrization) starts with no call site warned about yet."""
-    sdpa_module._warned.clear()
-    yield
-    sdpa_module._warned.clear()
-
-
-class Launches:
-    """Counts flashjvp's forward and backward kernel launches inside a ``with`` block."""
-
-    def __enter__(self):
-        self._f0, self._b0 = fwd_launches["fwd"], bwd_launches["bwd"]
-        return self
-
-    def __exit__(self, *exc):
-        self.fwd = fwd_launches["fwd"] - self._f0
-        self.bwd = bwd_launches["bwd"] - self._b0
-        return False
 
 
 def fallback_warnings(record):

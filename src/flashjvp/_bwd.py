@@ -15,29 +15,22 @@ import triton.language as tl
 from flashjvp._common import (
     LOG2E,
     LOG2E_K,
-    autotuning,
     buffer_like,
     dot_precision,
     head_block,
     head_blocks,
-    interpreting,
+    keep_fitting,
     launch_device,
     length_bucket,
     load_tile,
     strides_bhnd,
+    tile_configs,
 )
 from flashjvp._validate import AttnArgs
 
-
-def _bwd_configs():
-    """Candidate tiles, the default (used with FLASHJVP_AUTOTUNE=0) first."""
-    if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3),
-                             (32, 64, 4, 3), (128, 128, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1)]
-    ]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default.
+_BWD_TILES = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
+              (128, 128, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1)]
 
 
 def _prune_bwd_configs(configs, named_args, **kwargs):
@@ -53,8 +46,7 @@ def _prune_bwd_configs(configs, named_args, **kwargs):
         acc_regs = max(bm, bn) * d // (32 * c.num_warps)
         return smem <= 200 * 1024 and acc_regs <= 128
 
-    kept = [c for c in configs if fits(c)] or configs[-1:]
-    return kept if autotuning() else kept[:1]
+    return keep_fitting(configs, fits)
 
 
 _BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "DOT_PREC"]
@@ -113,7 +105,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(configs=_bwd_configs(), key=_BWD_KEY,
+@triton.autotune(configs=tile_configs(_BWD_TILES), key=_BWD_KEY,
                  prune_configs_by={"early_config_prune": _prune_bwd_configs})
 @triton.heuristics(_EVEN_D)
 @triton.jit
@@ -197,7 +189,7 @@ def _dq_inner(
     return dq
 
 
-@triton.autotune(configs=_bwd_configs(), key=_BWD_KEY,
+@triton.autotune(configs=tile_configs(_BWD_TILES), key=_BWD_KEY,
                  prune_configs_by={"early_config_prune": _prune_bwd_configs})
 @triton.heuristics(_EVEN_D)
 @triton.jit

@@ -28,6 +28,20 @@ def autotuning() -> bool:
     return os.environ.get("FLASHJVP_AUTOTUNE", "1") != "0"
 
 
+def tile_configs(tiles) -> list:
+    """Autotune candidates from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` rows, the default
+    (kept with FLASHJVP_AUTOTUNE=0) first; one small tile in Triton's interpreter."""
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+
+
+def keep_fitting(configs, fits) -> list:
+    """The configs ``fits`` accepts (the last one if none does); only the first without autotuning."""
+    kept = [c for c in configs if fits(c)] or configs[-1:]
+    return kept if autotuning() else kept[:1]
+
+
 def head_block(d: int) -> int:
     """Tile width for a head dim: the next power of two, at least 16 (``tl.dot``'s minimum)."""
     return max(16, triton.next_power_of_2(d))

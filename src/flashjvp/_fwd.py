@@ -16,31 +16,22 @@ import triton.language as tl
 from flashjvp._common import (
     LN2_K,
     LOG2E,
-    autotuning,
     dot_precision,
     empty_out,
     head_blocks,
-    interpreting,
+    keep_fitting,
     launch_device,
     length_bucket,
     load_tile,
     lse_buffer,
     strides_bhnd,
+    tile_configs,
 )
 from flashjvp._validate import AttnArgs
 
-
-def _fwd_configs():
-    """Candidate tiles, the default (used with FLASHJVP_AUTOTUNE=0) first."""
-    if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [
-            (64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4),
-            (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1),
-        ]
-    ]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default.
+_FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4),
+              (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1)]
 
 
 def _prune_fwd_configs(configs, named_args, **kwargs):
@@ -58,8 +49,7 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
         acc_regs = bm * dv * (2 if jvp else 1) // (32 * c.num_warps)  # fp32 accumulators per thread
         return smem <= 200 * 1024 and acc_regs <= 128 and not (jvp and bn > 64)
 
-    kept = [c for c in configs if fits(c)] or configs[-1:]
-    return kept if autotuning() else kept[:1]
+    return keep_fitting(configs, fits)
 
 
 @triton.jit
@@ -115,7 +105,7 @@ def _fwd_inner(
     return acc_o, acc_t, m_i, l_i, r_i
 
 
-@triton.autotune(configs=_fwd_configs(), key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
+@triton.autotune(configs=tile_configs(_FWD_TILES), key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
                                               "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC"],
                  prune_configs_by={"early_config_prune": _prune_fwd_configs})
 @triton.heuristics({
