@@ -17,6 +17,6 @@ if [[ $what == all || $what == probe ]]; then
   FLASHJVP_POISON=0 timeout 230 python3 scripts/gpu_probe.py 2>&1 | tee "$OUT/probe.log"
 fi
 if [[ $what == all || $what == bench || $what == tests+bench ]]; then
-  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-260} --out "$OUT/nvidia-h200" \
+  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} ${BENCH_ARGS:-} --out "$OUT/nvidia-h200" \
     --kernel reference=benchmarks/third_party/reference_jvp.py:attention 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
