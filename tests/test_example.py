@@ -29,7 +29,7 @@ def test_meanflow_digits_smoke(tmp_path):
     proc = subprocess.run([sys.executable, "-c", call_main, str(SCRIPT), str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"example failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "1-step samples classified" in proc.stdout
+    assert "CPU: PyTorch math fallback" in proc.stdout and "1-step samples classified" in proc.stdout
 
     for name in ("samples.png", "loss.png"):
         data = (tmp_path / name).read_bytes()
