@@ -20,6 +20,7 @@ from flashjvp._common import (
     head_block,
     head_blocks,
     keep_fitting,
+    key_range,
     launch_device,
     length_bucket,
     load_tile,
@@ -226,11 +227,7 @@ def _attn_bwd_dq_kernel(
     v_ptrs = V + b * s_vb + h_kv * s_vh + offs_dv[:, None] * s_vd + offs_n[None, :] * s_vn
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
 
-    full_end = (N_K // BLOCK_N) * BLOCK_N
-    hi = N_K
-    if CAUSAL:
-        hi = tl.minimum(N_K, tl.maximum(m0 + BLOCK_M + causal_off, 0))
-        full_end = tl.minimum(full_end, (tl.maximum(m0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk,
                    mask_dv, 0, full_end, N_K, causal_off, scale_log2, BLOCK_N, False, CAUSAL,
                    EVEN_DQK, EVEN_DV, DOT_PREC)

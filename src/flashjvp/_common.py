@@ -126,3 +126,15 @@ def load_tile(ptrs, mask0, mask1, MASK0: tl.constexpr, MASK1: tl.constexpr):
     else:
         x = tl.load(ptrs)
     return x
+
+
+@triton.jit
+def key_range(m0, N_K, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key blocks for query rows [m0, m0 + BLOCK_M): ``[0, full_end)`` are visible to every row
+    (no mask needed), ``[full_end, hi)`` need the bounds/causal mask."""
+    full_end = (N_K // BLOCK_N) * BLOCK_N
+    hi = N_K
+    if CAUSAL:
+        hi = tl.minimum(N_K, tl.maximum(m0 + BLOCK_M + causal_off, 0))
+        full_end = tl.minimum(full_end, (tl.maximum(m0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    return full_end, hi

@@ -20,6 +20,7 @@ from flashjvp._common import (
     empty_out,
     head_blocks,
     keep_fitting,
+    key_range,
     launch_device,
     length_bucket,
     load_tile,
@@ -159,11 +160,7 @@ def _attn_fwd_kernel(
     acc_t = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # Key blocks every row of this block sees completely run unmasked; the rest are masked.
-    full_end = (N_K // BLOCK_N) * BLOCK_N
-    hi = N_K
-    if CAUSAL:
-        hi = tl.minimum(N_K, tl.maximum(m0 + BLOCK_M + causal_off, 0))
-        full_end = tl.minimum(full_end, (tl.maximum(m0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
+    full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
         acc_o, acc_t, m_i, l_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
         s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
