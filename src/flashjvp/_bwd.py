@@ -247,12 +247,11 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     ``lse`` (B, Hq, Nq) float32. Gradients have their input's shape and layout."""
     dq, dk, dv = buffer_like(q), buffer_like(k), buffer_like(v)
     delta, lse2 = buffer_like(lse), buffer_like(lse)
-    off = (a.n_k - a.n_q) if a.causal == "bottom_right" else 0
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     sq, sk, sv, sdo, so = (strides_bhnd(x, a.layout) for x in (q, k, v, do, o))
     common = dict(D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
                   CAUSAL=a.causal is not None, DOT_PREC=dot_precision(q.dtype))
-    sizes = (a.h_q, a.groups, a.n_q, a.n_k, off, a.scale * LOG2E, a.scale,
+    sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
              length_bucket(a.n_q), length_bucket(a.n_k))
     with launch_device(q):
         block = 64

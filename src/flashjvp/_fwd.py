@@ -206,7 +206,6 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
         lse = lse_buffer(a.batch, a.h_q, a.n_q, q.device)
     to = empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q) if jvp else None
     mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
-    off = (a.n_k - a.n_q) if a.causal == "bottom_right" else 0
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
@@ -215,7 +214,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
             o, o if to is None else to, lse, lse if mu is None else mu,
             *[s for st in strides for s in st],
-            a.h_q, a.groups, a.n_q, a.n_k, off, a.scale * LOG2E, a.scale,
+            a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
             length_bucket(a.n_q), length_bucket(a.n_k),
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
             CAUSAL=a.causal is not None, HAS_TQ=tq is not None, HAS_TK=tk is not None,

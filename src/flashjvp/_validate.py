@@ -35,6 +35,11 @@ class AttnArgs:
     def groups(self) -> int:
         return self.h_q // self.h_kv
 
+    @property
+    def causal_offset(self) -> int:
+        """With causal masking, query ``i`` sees key ``j`` iff ``j <= i + causal_offset``."""
+        return self.n_k - self.n_q if self.causal == "bottom_right" else 0
+
 
 def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
     b, a1, a2, d = x.shape

@@ -11,12 +11,7 @@ import torch
 
 from flashjvp._validate import AttnArgs, check_inputs
 
-__all__ = ["attention_ref", "attention_jvp_ref", "causal_offset"]
-
-
-def causal_offset(causal: str | None, n_q: int, n_k: int) -> int:
-    """Query ``i`` sees key ``j`` iff ``j <= i + offset`` (only meaningful when causal)."""
-    return n_k - n_q if causal == "bottom_right" else 0
+__all__ = ["attention_ref", "attention_jvp_ref"]
 
 
 def _to_bhnd(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
@@ -29,7 +24,7 @@ def _visible(a: AttnArgs, row0: int, rows: int, device) -> torch.Tensor | None:
         return None
     i = torch.arange(row0, row0 + rows, device=device)[:, None]
     j = torch.arange(a.n_k, device=device)[None, :]
-    return j <= i + causal_offset(a.causal, a.n_q, a.n_k)
+    return j <= i + a.causal_offset
 
 
 def _block_lse_attention(q, k, v, a: AttnArgs, row0: int):
