@@ -1,22 +1,41 @@
 #!/usr/bin/env bash
-# One GPU session: tests (fp16/bf16/fp32) then the timing probe. Run from the repo root.
-# Usage: bash scripts/gpu_run.sh [tests|bench|probe|tests+bench|all]; one step fills a 600 s device call
-# (TEST_LIMIT, BENCH_LIMIT seconds). Logs go to $OUT (the device tool returns them).
+# One GPU session, run from the repo root: bash scripts/gpu_run.sh STEP[,STEP...]
+# Steps: tests (GPU test matrix, fp16/bf16/fp32), bench (python -m flashjvp.bench $BENCH_ARGS),
+# bench2 (a second benchmark run with $BENCH2_ARGS), models (model tests with their peak-memory
+# lines), demo (examples/meanflow_digits.py, GPU configuration).
+# Limits: TEST_LIMIT, BENCH_LIMIT, DEMO_LIMIT seconds. Logs and results go to $OUT.
+# Wheels in .whl/ (timm, diffusers: versions as in the Makefile) are installed first if present.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashjvp-gpu}  # the device tool returns what is written under $OUT
 mkdir -p "$OUT"
 export PYTHONPATH=src PYTHONUNBUFFERED=1 FLASHJVP_POISON=1
-what=${1:-all}
+steps=",${1:-tests,bench},"
+has() { [[ $steps == *",$1,"* ]]; }
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=src:/tmp/site
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-if [[ $what == all || $what == tests || $what == tests+bench ]]; then
-  FLASHJVP_AUTOTUNE=0 timeout ${TEST_LIMIT:-540} python3 -m pytest tests -v -rfE --tb=short -n 14 -p no:cacheprovider -p no:benchmark \
-    --ignore=tests/test_example.py 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
+git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
+if has tests; then
+  FLASHJVP_AUTOTUNE=0 timeout ${TEST_LIMIT:-540} python3 -m pytest tests -v -rfE --tb=short -n 14 -p no:cacheprovider \
+    -p no:benchmark --ignore=tests/test_example.py 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
 fi
-if [[ $what == all || $what == probe ]]; then
-  FLASHJVP_POISON=0 timeout 230 python3 scripts/gpu_probe.py 2>&1 | tee "$OUT/probe.log"
+if has models; then
+  timeout ${MODELS_LIMIT:-200} python3 -m pytest tests/test_models.py -m gpu -s -q -p no:cacheprovider 2>&1 \
+    | tee "$OUT/models.log" | grep -E "peak memory|passed|failed|Error" | tail -20
 fi
-if [[ $what == all || $what == bench || $what == tests+bench ]]; then
-  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} ${BENCH_ARGS:-} --out "$OUT/nvidia-h200" \
-    --kernel reference=benchmarks/third_party/reference_jvp.py:attention 2>&1 | tee "$OUT/bench.log" | tail -60
+if has bench; then
+  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} ${BENCH_ARGS:-} \
+    --out "$OUT/bench1" 2>&1 | tee "$OUT/bench1.log" | grep -E "^\[|wrote" | tail -60
 fi
+if has bench2; then
+  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} ${BENCH2_ARGS:-} \
+    --out "$OUT/bench2" 2>&1 | tee "$OUT/bench2.log" | grep -E "^\[|wrote" | tail -60
+fi
+if has demo; then
+  FLASHJVP_POISON=0 timeout ${DEMO_LIMIT:-300} python3 examples/meanflow_digits.py --out "$OUT/demo" \
+    ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" | tr '\r' '\n' | grep -v "it/s\]$" | tail -25
+fi
+rm -f "$OUT"/bench*/bench.png "$OUT"/bench*/bench.md  # the device tool returns at most 8 files; --merge remakes these

@@ -92,6 +92,27 @@ def test_report_files(tmp_path):
     assert "| 1 name1 |" in md and "NotImplementedError" in md
 
 
+def test_merge_reports(tmp_path):
+    """Runs split across GPU sessions: a later measurement wins, a later skip does not."""
+    first = [_row("1", "flashjvp", "fwd_jvp", 2.0), _row("5", "flashjvp", "fwd_jvp", 9.0),
+             _row("1", "reference", "fwd_jvp", 3.0)]
+    second = [_row("5", "flashjvp", "fwd_jvp", 1.0), _row("1", "reference", "fwd_jvp", skip="time limit")]
+    for i, rows in enumerate((first, second)):
+        bench.write_report(rows, {"gpu": "Fake GPU", "date": f"day{i}", "command": f"cmd{i}", "partial": True},
+                           tmp_path / f"run{i}", with_plot=False)
+    out = tmp_path / "merged"
+    assert bench.main(["--merge", str(tmp_path / "run0/bench.json"), str(tmp_path / "run1/bench.json"),
+                       "--out", str(out)]) == 0
+    data = json.loads((out / "bench.json").read_text())
+    got = {(r["shape"], r["provider"]): r["ms"] for r in data["rows"]}
+    assert got == {("1", "flashjvp"): 2.0, ("5", "flashjvp"): 1.0, ("1", "reference"): 3.0}
+    assert [r["command"] for r in data["runs"]] == ["cmd0", "cmd1"] and "partial" not in data
+    md = (out / "bench.md").read_text()
+    assert "cmd0" in md and "cmd1" in md and "1.50x" in md
+    with pytest.raises(SystemExit):
+        bench.main(["--merge", str(tmp_path / "run0/bench.json")])  # --out is required
+
+
 def test_report_without_plot_and_empty(tmp_path):
     paths = bench.write_report([], {}, tmp_path, with_plot=False)
     assert set(paths) == {"json", "md"}

@@ -15,6 +15,8 @@ import triton.language as tl
 from flashjvp._common import (
     LOG2E,
     LOG2E_K,
+    aligned,
+    aligned3,
     buffer_like,
     dot_precision,
     head_block,
@@ -26,6 +28,7 @@ from flashjvp._common import (
     load_tile,
     strides_bhnd,
     tile_configs,
+    vector_align,
 )
 from flashjvp._validate import AttnArgs
 
@@ -60,12 +63,15 @@ _EVEN_D = {
 @triton.jit
 def _attn_bwd_preprocess_kernel(
     O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod,
-    H_Q, N_Q, D_V, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    H_Q, N_Q, D_V, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """delta = rowsum(dO * O); lse2 = lse * log2(e), +inf for rows that saw no key (P = 0)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    s_ob, s_oh, s_on = aligned3(s_ob, s_oh, s_on, ALIGN)
+    s_dob, s_doh, s_don = aligned3(s_dob, s_doh, s_don, ALIGN)
+    D_V = aligned(D_V, ALIGN)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_d = tl.arange(0, BLOCK_DV)
     mask = (rows < N_Q)[:, None] & (offs_d < D_V)[None, :]
@@ -116,12 +122,20 @@ def _attn_bwd_dkdv_kernel(
     s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
+    EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    # Multiples of ALIGN (vector_align): 16-byte loads and stores also for D = 40, 72, ...
+    s_qb, s_qh, s_qn = aligned3(s_qb, s_qh, s_qn, ALIGN)
+    s_kb, s_kh, s_kn = aligned3(s_kb, s_kh, s_kn, ALIGN)
+    s_vb, s_vh, s_vn = aligned3(s_vb, s_vh, s_vn, ALIGN)
+    s_dob, s_doh, s_don = aligned3(s_dob, s_doh, s_don, ALIGN)
+    s_dkb, s_dkh, s_dkn = aligned3(s_dkb, s_dkh, s_dkn, ALIGN)
+    s_dvb, s_dvh, s_dvn = aligned3(s_dvb, s_dvh, s_dvn, ALIGN)
+    D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     n0 = pid_n * BLOCK_N
     keys = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     kvalid = keys < N_K
@@ -200,14 +214,20 @@ def _attn_bwd_dq_kernel(
     s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
+    EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     h_kv = (h // GROUPS).to(tl.int64)
     h = h.to(tl.int64)
+    s_qb, s_qh, s_qn = aligned3(s_qb, s_qh, s_qn, ALIGN)
+    s_kb, s_kh, s_kn = aligned3(s_kb, s_kh, s_kn, ALIGN)
+    s_vb, s_vh, s_vn = aligned3(s_vb, s_vh, s_vn, ALIGN)
+    s_dob, s_doh, s_don = aligned3(s_dob, s_doh, s_don, ALIGN)
+    s_dqb, s_dqh, s_dqn = aligned3(s_dqb, s_dqh, s_dqn, ALIGN)
+    D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     rvalid = rows < N_Q
@@ -248,21 +268,20 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     dq, dk, dv = buffer_like(q), buffer_like(k), buffer_like(v)
     delta, lse2 = buffer_like(lse), buffer_like(lse)
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
-    sq, sk, sv, sdo, so = (strides_bhnd(x, a.layout) for x in (q, k, v, do, o))
+    sq, sk, sv, sdo, so, sdq, sdk, sdv = (strides_bhnd(x, a.layout) for x in (q, k, v, do, o, dq, dk, dv))
+    align = vector_align((sq, sk, sv, sdo, so, sdq, sdk, sdv), a.d_qk, a.d_v)
     common = dict(D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
-                  CAUSAL=a.causal is not None, DOT_PREC=dot_precision(q.dtype))
+                  CAUSAL=a.causal is not None, DOT_PREC=dot_precision(q.dtype), ALIGN=align)
     sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
              length_bucket(a.n_q), length_bucket(a.n_k))
     with launch_device(q):
         block = 64
         _attn_bwd_preprocess_kernel[(triton.cdiv(a.n_q, block), a.h_q, a.batch)](
             o, do, lse, delta, lse2, *so, *sdo, a.h_q, a.n_q,
-            a.d_v, BLOCK_DV=head_block(a.d_v), BLOCK_M=block)
+            a.d_v, BLOCK_DV=head_block(a.d_v), BLOCK_M=block, ALIGN=align)
         _attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)](
-            q, k, v, do, lse2, delta, dk, dv, *sq, *sk, *sv, *sdo,
-            *strides_bhnd(dk, a.layout), *strides_bhnd(dv, a.layout), *sizes, **common)
+            q, k, v, do, lse2, delta, dk, dv, *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
         _attn_bwd_dq_kernel[lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)](
-            q, k, v, do, lse2, delta, dq, *sq, *sk, *sv, *sdo, *strides_bhnd(dq, a.layout),
-            *sizes, **common)
+            q, k, v, do, lse2, delta, dq, *sq, *sk, *sv, *sdo, *sdq, *sizes, **common)
     launches["bwd"] += 1
     return dq, dk, dv

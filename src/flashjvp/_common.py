@@ -62,6 +62,15 @@ def length_bucket(n: int) -> int:
     return min(16384, max(64, triton.next_power_of_2(n)))
 
 
+def vector_align(strides, *dims: int) -> int:
+    """8 when every batch/head/sequence stride (``strides_bhnd`` tuples) and head dim is a
+    multiple of 8 elements, else 1. Passed to the kernels as ``ALIGN``: Triton only infers
+    that an integer argument is a multiple of 16, so D = 40, 72 or 136 and their strides would
+    otherwise compile to one 2-byte load per element instead of 16-byte vectors."""
+    ok = all(s % 8 == 0 for st in strides for s in st[:3]) and all(d % 8 == 0 for d in dims)
+    return 8 if ok else 1
+
+
 def strides_bhnd(x: torch.Tensor | None, layout: str) -> tuple[int, int, int, int]:
     """(batch, head, seq, dim) strides of a tensor given in ``layout``; zeros for ``None``."""
     if x is None:
@@ -111,6 +120,20 @@ def dot_precision(dtype: torch.dtype) -> str:
 def launch_device(x: torch.Tensor):
     """Context making ``x``'s GPU the current device for a launch (a no-op on the CPU)."""
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+@triton.jit
+def aligned(x, ALIGN: tl.constexpr):
+    """``x`` rounded down to a multiple of ALIGN: the same value where the host checked
+    (``vector_align``), written so that Triton's alignment analysis sees the multiple
+    (``tl.multiple_of`` on a scalar argument is dropped in Triton 3.6)."""
+    return (x // ALIGN) * ALIGN
+
+
+@triton.jit
+def aligned3(a, b, c, ALIGN: tl.constexpr):
+    """``aligned`` for the (batch, head, sequence) strides of one tensor."""
+    return aligned(a, ALIGN), aligned(b, ALIGN), aligned(c, ALIGN)
 
 
 @triton.jit

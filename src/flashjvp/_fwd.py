@@ -16,6 +16,8 @@ import triton.language as tl
 from flashjvp._common import (
     LN2_K,
     LOG2E,
+    aligned,
+    aligned3,
     dot_precision,
     empty_out,
     head_blocks,
@@ -27,6 +29,7 @@ from flashjvp._common import (
     lse_buffer,
     strides_bhnd,
     tile_configs,
+    vector_align,
 )
 from flashjvp._validate import AttnArgs
 
@@ -123,7 +126,7 @@ def _attn_fwd_kernel(
     N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
-    STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -131,6 +134,16 @@ def _attn_fwd_kernel(
     b = tl.program_id(2).to(tl.int64)
     h_kv = (h // GROUPS).to(tl.int64)
     h = h.to(tl.int64)
+    # Multiples of ALIGN (vector_align): 16-byte loads and stores also for D = 40, 72, ...
+    s_qb, s_qh, s_qn = aligned3(s_qb, s_qh, s_qn, ALIGN)
+    s_kb, s_kh, s_kn = aligned3(s_kb, s_kh, s_kn, ALIGN)
+    s_vb, s_vh, s_vn = aligned3(s_vb, s_vh, s_vn, ALIGN)
+    s_tqb, s_tqh, s_tqn = aligned3(s_tqb, s_tqh, s_tqn, ALIGN)
+    s_tkb, s_tkh, s_tkn = aligned3(s_tkb, s_tkh, s_tkn, ALIGN)
+    s_tvb, s_tvh, s_tvn = aligned3(s_tvb, s_tvh, s_tvn, ALIGN)
+    s_ob, s_oh, s_on = aligned3(s_ob, s_oh, s_on, ALIGN)
+    s_tob, s_toh, s_ton = aligned3(s_tob, s_toh, s_ton, ALIGN)
+    D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key offsets within a block
@@ -219,6 +232,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
             CAUSAL=a.causal is not None, HAS_TQ=tq is not None, HAS_TK=tk is not None,
             HAS_TV=tv is not None, STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
+            ALIGN=vector_align(strides, a.d_qk, a.d_v),
         )
     launches["fwd"] += 1
     return o, to, lse, mu

@@ -488,6 +488,28 @@ def write_report(rows: list[Row], meta: dict, out_dir: Path, with_plot: bool = T
     return paths
 
 
+def merge_reports(paths: list[Path]) -> tuple[list[Row], dict]:
+    """Rows and meta of several ``bench.json`` files (runs split across GPU sessions) as one
+    report. A later file's measurement replaces an earlier one of the same (shape, provider,
+    mode); a later skip never replaces a measurement. Every run's command and date are kept."""
+    rows: dict[tuple[str, str, str], Row] = {}
+    runs, meta = [], {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for r in data.pop("rows"):
+            row = Row(**r)
+            key = (row.shape, row.provider, row.mode)
+            if row.skip is None or key not in rows or rows[key].skip is not None:
+                rows[key] = row
+        runs.append({k: data.get(k) for k in ("date", "command", "wall_s")})
+        meta = {**meta, **data}
+    meta.pop("partial", None)
+    meta["runs"] = runs
+    meta["date"] = " / ".join(str(r["date"]) for r in runs)
+    meta["command"] = "`; `".join(str(r["command"]) for r in runs)
+    return list(rows.values()), meta
+
+
 def select_shapes(keys: list[str] | None) -> list[Shape]:
     """Shapes by id ("1", "7b") or name, in the given order; all when ``keys`` is empty."""
     keys = [k for key in keys or [] for k in key.split(",") if k]
@@ -517,12 +539,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-limit", type=float, default=480.0,
                     help="seconds after which remaining measurements are skipped (0: no limit; default 480)")
     ap.add_argument("--out", type=Path, help="output folder; default benchmarks/results/<gpu-name-slug>/")
+    ap.add_argument("--merge", nargs="+", type=Path, metavar="BENCH.json",
+                    help="measure nothing: merge these reports (later ones win) into --out")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.merge:
+        if args.out is None:
+            ap.error("--merge needs --out")
+        rows, meta = merge_reports(args.merge)
+        paths = write_report(rows, meta, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
     try:
         shapes = select_shapes(args.shapes)
     except ValueError as e:
