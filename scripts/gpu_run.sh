@@ -17,14 +17,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-git log -1 --format='commit %h %s' 2>/dev/null | tee -a "$OUT/gpu.txt"
 if has tests; then
   FLASHJVP_AUTOTUNE=0 timeout ${TEST_LIMIT:-540} python3 -m pytest tests -v -rfE --tb=short -n 14 -p no:cacheprovider \
     -p no:benchmark --ignore=tests/test_example.py 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
 fi
 if has models; then
-  timeout ${MODELS_LIMIT:-200} python3 -m pytest tests/test_models.py -m gpu -s -q -p no:cacheprovider 2>&1 \
-    | tee "$OUT/models.log" | grep -E "peak memory|passed|failed|Error" | tail -20
+  timeout ${MODELS_LIMIT:-200} python3 -m pytest ${MODELS_TESTS:-tests/test_models.py -m gpu} -s -v --tb=short \
+    -p no:cacheprovider 2>&1 | tee "$OUT/models.log" | grep -E "peak memory|PASSED|FAILED|passed|failed|Error" | tail -20
 fi
 if has bench; then
   FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} ${BENCH_ARGS:-} \
