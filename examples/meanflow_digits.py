@@ -297,7 +297,7 @@ def attention_path(args) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="outputs/meanflow_digits", help="output folder")
-    p.add_argument("--steps", type=int, default=6000)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--dim", type=int, default=192, help="model width")

@@ -4,7 +4,20 @@ import pytest
 import torch
 
 import flashjvp
-from helpers import DTYPE_IDS, DTYPES, MEMORY_KINDS, assert_close, grad_refs, make_qkv, make_tensor, shape_of
+import flashjvp._bwd
+import flashjvp._common
+import flashjvp._fwd
+from helpers import (
+    DTYPE_IDS,
+    DTYPES,
+    MEMORY_KINDS,
+    assert_close,
+    grad_refs,
+    jvp_refs,
+    make_qkv,
+    make_tensor,
+    shape_of,
+)
 
 SHAPES = [
     pytest.param((1, 1, 1, 1, 1, 16, 16), id="n1"),
@@ -94,3 +107,28 @@ def test_gradient_through_tangent_output_raises():
     o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
     with pytest.raises(NotImplementedError, match="second order"):
         (o.sum() + to.sum()).backward()
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_aligned_rows_vector_path(layout, monkeypatch):
+    """Head dims 72/40 with strides that are multiples of 8 but not 16: the kernels run with
+    ALIGN=8 (vectorized loads, see ``vector_align``), forward+JVP and backward both exact."""
+    seen = []
+
+    def spy(*args):
+        seen.append(flashjvp._common.vector_align(*args))
+        return seen[-1]
+
+    for mod in (flashjvp._fwd, flashjvp._bwd):
+        monkeypatch.setattr(mod, "vector_align", spy)
+    shape = (1, 4, 2, 29, 45, 72, 40)
+    q, k, v, tq, tk, tv = make_qkv(*shape, layout, torch.float32, ("contiguous", "swapped"))
+    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal="bottom_right", layout=layout)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal="bottom_right", layout=layout)
+    assert_close("o", o, truth[0], lowp[0], torch.float32)
+    assert_close("to", to, truth[1], lowp[1], torch.float32)
+    (q, k, v, do), grads = _grads(shape, "bottom_right", torch.float32, layout, ("contiguous", "swapped"))
+    truth, lowp = grad_refs(q, k, v, do, causal="bottom_right", layout=layout)
+    for name, g, ref, ref_lp in zip(("dq", "dk", "dv"), grads, truth, lowp):
+        assert_close(name, g, ref, ref_lp, torch.float32)
+    assert seen == [8, 8, 8], seen  # fwd+JVP, forward, backward
