@@ -1,7 +1,9 @@
 """flashjvp.sdpa / flashjvp.patch_sdpa: a drop-in for torch.nn.functional.scaled_dot_product_attention.
 
-Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1), so shapes stay tiny. Every test
-of the kernel path checks the launch counters, so it fails if flashjvp's kernels are not used.
+Runs on the GPU when there is one, else on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1); shapes stay tiny either way. Every test of the kernel path checks the launch
+counters, so it fails if flashjvp's kernels are not used. Fallbacks (masks, dropout) are compared
+with PyTorch's math backend, the one whose random numbers they reproduce.
 """
 
 import sys
@@ -19,12 +21,13 @@ import flashjvp
 from flashjvp import patch_sdpa, sdpa
 from flashjvp._common import interpreting
 from flashjvp.sdpa import SDPAFallbackWarning, _math_sdpa
-from helpers import Launches
+from helpers import DEVICE, Launches
 
 sdpa_module = sys.modules["flashjvp.sdpa"]  # the package attribute `flashjvp.sdpa` is the function
 
 pytestmark = [pytest.mark.usefixtures("fresh_sdpa_warnings"),
-              pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 on the CPU")]
+              pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
+                                 reason="needs a GPU or TRITON_INTERPRET=1")]
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -33,14 +36,19 @@ def fallback_warnings(record):
     return [w for w in record if issubclass(w.category, SDPAFallbackWarning)]
 
 
-def rand(*shape, dtype=torch.float32, seed=None):
+def rand(*shape, dtype=torch.float32, seed=None, device=DEVICE):
     g = None if seed is None else torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, dtype=dtype, generator=g)
+    return torch.randn(*shape, dtype=dtype, generator=g).to(device)
 
 
-def qkv(b, hq, hkv, nq, nk, d, dv, dtype=torch.float32, seed=0):
-    return (rand(b, hq, nq, d, dtype=dtype, seed=seed), rand(b, hkv, nk, d, dtype=dtype, seed=seed + 1),
-            rand(b, hkv, nk, dv, dtype=dtype, seed=seed + 2))
+def qkv(b, hq, hkv, nq, nk, d, dv, dtype=torch.float32, seed=0, device=DEVICE):
+    return (rand(b, hq, nq, d, dtype=dtype, seed=seed, device=device),
+            rand(b, hkv, nk, d, dtype=dtype, seed=seed + 1, device=device),
+            rand(b, hkv, nk, dv, dtype=dtype, seed=seed + 2, device=device))
+
+
+def ones_mask(*shape, dtype=torch.bool):
+    return torch.ones(*shape, dtype=dtype, device=DEVICE)
 
 
 def math_sdpa_torch(*args, **kwargs):
@@ -127,9 +135,9 @@ def test_backward_matches_torch_sdpa(b, hq, hkv, nq, nk, d, dv, causal, scale, g
 
 
 def test_no_interpreter_still_exact(monkeypatch):
-    """Without a GPU and without the interpreter flashjvp runs its math reference: same answers."""
+    """CPU tensors without the interpreter: flashjvp runs its math reference, same answers."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    q, k, v = qkv(1, 4, 2, 13, 17, 8, 8)
+    q, k, v = qkv(1, 4, 2, 13, 17, 8, 8, device="cpu")
     with Launches() as n:
         out = sdpa(q, k, v, is_causal=True, enable_gqa=True)
     assert n.fwd == 0
@@ -142,7 +150,7 @@ def test_no_interpreter_still_exact(monkeypatch):
 def _bool_mask():
     m = torch.rand(12, 20, generator=torch.Generator().manual_seed(3)) > 0.4
     m[2] = False  # a row that sees no key: SDPA gives zeros there
-    return m
+    return m.to(DEVICE)
 
 
 FALLBACKS = {
@@ -168,14 +176,14 @@ def test_fallback_matches_and_warns_once_per_call_site(name):
     assert len(got) == 1, [str(w.message) for w in got]
     assert got[0].filename == __file__, "the warning must point at the caller's line"
     torch.manual_seed(0)
-    ref = F.scaled_dot_product_attention(q, k, v, **kw)
+    ref = math_sdpa_torch(q, k, v, **kw)
     for out in outs:
         torch.testing.assert_close(out, ref, **TOL)
 
 
 def test_two_call_sites_warn_twice():
     q, k, v = qkv(1, 2, 2, 8, 8, 8, 8)
-    m = torch.ones(8, 8, dtype=torch.bool)
+    m = ones_mask(8, 8)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -219,7 +227,7 @@ def test_dropout_applies_in_no_grad_and_eval_like_sdpa():
         torch.manual_seed(1)
         out = sdpa(q, k, v, dropout_p=0.5)
         torch.manual_seed(1)
-        ref = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        ref = math_sdpa_torch(q, k, v, dropout_p=0.5)
     torch.testing.assert_close(out, ref, **TOL)
     assert not torch.allclose(out, F.scaled_dot_product_attention(q, k, v))
 
@@ -268,7 +276,7 @@ def _bad_cases():
         "dropout_above_1": ((q, k, v), dict(dropout_p=1.5)),
         "gqa_not_dividing": ((q, k3, k3), dict(enable_gqa=True)),
         "gqa_without_flag": ((q, k2, k2), {}),
-        "int_mask": ((q, k, v), dict(attn_mask=torch.ones(8, 8, dtype=torch.int32))),
+        "int_mask": ((q, k, v), dict(attn_mask=ones_mask(8, 8, dtype=torch.int32))),
         "head_dim_mismatch": ((q, rand(1, 4, 8, 4), v), {}),
         "key_not_tensor": ((q, [1.0], v), {}),
         "is_causal_int": ((q, k, v), dict(is_causal=1)),
@@ -277,7 +285,7 @@ def _bad_cases():
         "mqa_broadcast_without_flag": ((q, k1, k1), {}),
         "broadcast_batch": ((rand(2, 4, 8, 8), k, v), {}),
         "empty_query": ((q[:, :, :0], k, v), {}),
-        "mask_and_causal": ((q, k, v), dict(attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True)),
+        "mask_and_causal": ((q, k, v), dict(attn_mask=ones_mask(8, 8), is_causal=True)),
     }
 
 
@@ -381,7 +389,7 @@ def test_fallback_inside_nested_patches_does_not_recurse():
     k1 = rand(1, 1, 8, 8)
     with warnings.catch_warnings(record=True) as record, patch_sdpa(), patch_sdpa():
         warnings.simplefilter("always")
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=ones_mask(8, 8))
         b = F.scaled_dot_product_attention(q, k1, k1)  # served by PyTorch's SDPA itself
     assert len(fallback_warnings(record)) == 2
     torch.testing.assert_close(a, F.scaled_dot_product_attention(q, k, v), **TOL)
@@ -408,7 +416,7 @@ def test_patch_under_jvp_and_through_torch_modules():
     """nn.MultiheadAttention calls SDPA from inside F.multi_head_attention_forward (itself a torch
     function): the patch must reach it, and torch.func.jvp must run the fused kernel."""
     torch.manual_seed(0)
-    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).to(DEVICE)
     x, t = rand(2, 8, 16, seed=1), rand(2, 8, 16, seed=2)
     fn = lambda x: mha(x, x, x, need_weights=False, is_causal=False)[0]  # noqa: E731
     with sdpa_kernel(SDPBackend.MATH):
