@@ -25,14 +25,12 @@ if has models; then
   timeout ${MODELS_LIMIT:-200} python3 -m pytest ${MODELS_TESTS:-tests/test_models.py -m gpu} -s -v --tb=short \
     -p no:cacheprovider 2>&1 | tee "$OUT/models.log" | grep -E "peak memory|PASSED|FAILED|passed|failed|Error" | tail -20
 fi
-if has bench; then
-  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} ${BENCH_ARGS:-} \
-    --out "$OUT/bench1" 2>&1 | tee "$OUT/bench1.log" | grep -E "^\[|wrote" | tail -60
-fi
-if has bench2; then
-  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} ${BENCH2_ARGS:-} \
-    --out "$OUT/bench2" 2>&1 | tee "$OUT/bench2.log" | grep -E "^\[|wrote" | tail -60
-fi
+bench() {  # bench NAME EXTRA_ARGS: one benchmark run into $OUT/NAME
+  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} $2 \
+    --out "$OUT/$1" 2>&1 | tee "$OUT/$1.log" | grep -E "^\[|wrote" | tail -60
+}
+if has bench; then bench bench1 "${BENCH_ARGS:-}"; fi
+if has bench2; then bench bench2 "${BENCH2_ARGS:-}"; fi
 if has demo; then
   FLASHJVP_POISON=0 timeout ${DEMO_LIMIT:-300} python3 examples/meanflow_digits.py --out "$OUT/demo" \
     ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" | tr '\r' '\n' | grep -v "it/s\]$" | tail -25
