@@ -2,7 +2,7 @@
 # One GPU session, run from the repo root: bash scripts/gpu_run.sh STEP[,STEP...]
 # Steps: tests (GPU test matrix, fp16/bf16/fp32), bench (python -m flashjvp.bench $BENCH_ARGS),
 # bench2 (a second benchmark run with $BENCH2_ARGS), models (model tests with their peak-memory
-# lines), demo (examples/meanflow_digits.py, GPU configuration).
+# lines), sweep (scripts/tile_sweep.py $SWEEP_ARGS), demo (examples/meanflow_digits.py, GPU configuration).
 # Limits: TEST_LIMIT, BENCH_LIMIT, DEMO_LIMIT seconds. Logs and results go to $OUT.
 # Wheels in .whl/ (timm, diffusers: versions as in the Makefile) are installed first if present.
 set -uo pipefail
@@ -31,6 +31,9 @@ bench() {  # bench NAME EXTRA_ARGS: one benchmark run into $OUT/NAME
 }
 if has bench; then bench bench1 "${BENCH_ARGS:-}"; fi
 if has bench2; then bench bench2 "${BENCH2_ARGS:-}"; fi
+if has sweep; then
+  FLASHJVP_POISON=0 timeout ${SWEEP_LIMIT:-200} python3 scripts/tile_sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.txt"
+fi
 if has demo; then
   FLASHJVP_POISON=0 timeout ${DEMO_LIMIT:-300} python3 examples/meanflow_digits.py --out "$OUT/demo" \
     ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" | tr '\r' '\n' | grep -v "it/s\]$" | tail -25

@@ -1,0 +1,76 @@
+"""GPU diagnostic: time every forward tile on given shapes, and the host's share of a call.
+
+For each shape and mode (``fwd``: no tangents, ``fwd_jvp``: all tangents) it prints
+- the config the autotuner picks and its time;
+- each tile of ``_FWD_TILES`` forced alone (median of ``do_bench``, ms), or why it was pruned;
+- the same call timed inside a CUDA graph (``do_bench_cudagraph``): GPU time without the
+  Python side, so ``do_bench - cudagraph`` is what the host adds per call.
+
+    PYTHONPATH=src python scripts/tile_sweep.py --shapes 8,16,1024,72 32,16,256,72 2,24,4096,128
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.testing
+
+import flashjvp
+from flashjvp import _fwd
+
+
+def _call(mode, q, k, v, tq, tk, tv):
+    if mode == "fwd":
+        return lambda: flashjvp.attention(q, k, v)
+    return lambda: flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+
+
+def _force(configs):
+    kernel = _fwd._attn_fwd_kernel
+    kernel.configs = configs
+    kernel.cache.clear()
+
+
+def sweep(b, h, n, d, mode, dtype):
+    x = [torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(6)]
+    fn = _call(mode, *x)
+    full = list(_fwd._attn_fwd_kernel.configs)
+    _force(full)
+    fn()
+    torch.cuda.synchronize()
+    picked = list(_fwd._attn_fwd_kernel.cache.values())
+    t = triton.testing.do_bench(fn, return_mode="median")
+    g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+    print(f"B{b} H{h} N{n} D{d} {mode}: autotuned {picked} -> {t:.4f} ms, in a CUDA graph {g:.4f} ms "
+          f"(host adds {t - g:+.4f} ms)", flush=True)
+    for c in full:
+        _force([c])
+        name = f"  BM{c.kwargs['BLOCK_M']} BN{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+        try:
+            fn()
+            torch.cuda.synchronize()
+            used = list(_fwd._attn_fwd_kernel.cache.values()) or ["(one config, no tuning)"]
+            t = triton.testing.do_bench(fn, return_mode="median")
+            g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+            print(f"{name}: {t:.4f} ms, graph {g:.4f} ms  [ran {used[0]}]", flush=True)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
+            print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+    _force(full)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", nargs="+", default=["8,16,1024,72", "32,16,256,72", "2,24,4096,128"])
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd_jvp"])
+    p.add_argument("--dtype", default="bfloat16")
+    a = p.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    for s in a.shapes:
+        for mode in a.modes:
+            sweep(*map(int, s.split(",")), mode, getattr(torch, a.dtype))
+
+
+if __name__ == "__main__":
+    main()
