@@ -3,7 +3,7 @@
 # Steps: tests (GPU test matrix, fp16/bf16/fp32), bench (python -m flashjvp.bench $BENCH_ARGS),
 # bench2 (a second benchmark run with $BENCH2_ARGS), models (model tests with their peak-memory
 # lines), sweep (scripts/tile_sweep.py $SWEEP_ARGS), demo (examples/meanflow_digits.py, GPU configuration).
-# Limits: TEST_LIMIT, BENCH_LIMIT, DEMO_LIMIT seconds. Logs and results go to $OUT.
+# Limits: TEST_LIMIT, BENCH_LIMIT, BENCH2_LIMIT, SWEEP_LIMIT, DEMO_LIMIT seconds; TEST_PATHS picks test files. Logs and results go to $OUT.
 # Wheels in .whl/ (timm, diffusers: versions as in the Makefile) are installed first if present.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashjvp-gpu}  # the device tool returns what is written under $OUT
@@ -18,19 +18,19 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if has tests; then
-  FLASHJVP_AUTOTUNE=0 timeout ${TEST_LIMIT:-540} python3 -m pytest tests -v -rfE --tb=short -n 14 -p no:cacheprovider \
+  FLASHJVP_AUTOTUNE=0 timeout ${TEST_LIMIT:-540} python3 -m pytest ${TEST_PATHS:-tests} -v -rfE --tb=short -n 14 -p no:cacheprovider \
     -p no:benchmark --ignore=tests/test_example.py 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -40
 fi
 if has models; then
   timeout ${MODELS_LIMIT:-200} python3 -m pytest ${MODELS_TESTS:-tests/test_models.py -m gpu} -s -v --tb=short \
     -p no:cacheprovider 2>&1 | tee "$OUT/models.log" | grep -E "peak memory|PASSED|FAILED|passed|failed|Error" | tail -20
 fi
-bench() {  # bench NAME EXTRA_ARGS: one benchmark run into $OUT/NAME
-  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit ${BENCH_LIMIT:-520} $2 \
+bench() {  # bench NAME EXTRA_ARGS TIME_LIMIT: one benchmark run into $OUT/NAME
+  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit $3 $2 \
     --out "$OUT/$1" 2>&1 | tee "$OUT/$1.log" | grep -E "^\[|wrote" | tail -60
 }
-if has bench; then bench bench1 "${BENCH_ARGS:-}"; fi
-if has bench2; then bench bench2 "${BENCH2_ARGS:-}"; fi
+if has bench; then bench bench1 "${BENCH_ARGS:-}" "${BENCH_LIMIT:-520}"; fi
+if has bench2; then bench bench2 "${BENCH2_ARGS:-}" "${BENCH2_LIMIT:-520}"; fi
 if has sweep; then
   FLASHJVP_POISON=0 timeout ${SWEEP_LIMIT:-200} python3 scripts/tile_sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.txt"
 fi

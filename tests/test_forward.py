@@ -99,3 +99,38 @@ def test_reference_chunked_matches_unchunked():
     full = flashjvp.attention_ref(q, k, v, causal="bottom_right")
     chunked = flashjvp.attention_ref(q, k, v, causal="bottom_right", block_q=7)
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-12)
+
+
+def test_tuned_launch_reuses_the_picked_config(monkeypatch):
+    """After the first launch for an autotune key, a launch with another length of the same
+    bucket goes straight to the picked config (Triton's Autotuner is not consulted again), with
+    correct results; a new bucket goes through the Autotuner again."""
+    from flashjvp import _common, _fwd
+
+    monkeypatch.setattr(_common, "_TUNED", {})
+    kernel = _fwd._attn_fwd_kernel
+    seen = []
+    real_run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: (seen.append(kw["N_Q_BUCKET"]), real_run(*a, **kw))[1])
+    for n in (37, 50, 100):  # buckets 64, 64, 128
+        q, k, v, tq, tk, tv = make_qkv(1, 2, 2, n, n, 24, 24, "bhnd", torch.float32)
+        o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+        truth, lowp = jvp_refs(q, k, v, tq, tk, tv)
+        assert_close("o", o, truth[0], lowp[0], torch.float32)
+        assert_close("to", to, truth[1], lowp[1], torch.float32)
+    assert seen == [64, 128]
+
+
+@pytest.mark.parametrize("needs", ["requires_grad", "no_grad"])
+def test_forward_with_and_without_autograd(needs):
+    """Without a graph to record the launcher runs without the autograd Function: same values,
+    and no grad_fn; with requires_grad the output joins the graph."""
+    q, k, v = make_qkv(1, 2, 1, 29, 41, 40, 40, "bnhd", torch.float32, tangents=False)
+    if needs == "requires_grad":
+        q.requires_grad_()
+    o = flashjvp.attention(q, k, v, causal="bottom_right", layout="bnhd")
+    assert (o.grad_fn is not None) == (needs == "requires_grad")
+    truth = flashjvp.attention_ref(q.detach().double(), k.double(), v.double(), causal="bottom_right",
+                                   layout="bnhd")
+    lowp = flashjvp.attention_ref(q.detach(), k, v, causal="bottom_right", layout="bnhd")
+    assert_close("o", o.detach(), truth, lowp, torch.float32)

@@ -24,6 +24,7 @@ from flashjvp._common import (
     keep_fitting,
     key_range,
     launch_device,
+    launch_tuned,
     length_bucket,
     load_tile,
     strides_bhnd,
@@ -270,18 +271,20 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     sq, sk, sv, sdo, so, sdq, sdk, sdv = (strides_bhnd(x, a.layout) for x in (q, k, v, do, o, dq, dk, dv))
     align = vector_align((sq, sk, sv, sdo, so, sdq, sdk, sdv), a.d_qk, a.d_v)
-    common = dict(D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
-                  CAUSAL=a.causal is not None, DOT_PREC=dot_precision(q.dtype), ALIGN=align)
-    sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
-             length_bucket(a.n_q), length_bucket(a.n_k))
+    common = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk,
+                  D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, CAUSAL=a.causal is not None,
+                  DOT_PREC=dot_precision(q.dtype), ALIGN=align)
+    sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale)
+    grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
+    grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
         block = 64
         _attn_bwd_preprocess_kernel[(triton.cdiv(a.n_q, block), a.h_q, a.batch)](
             o, do, lse, delta, lse2, *so, *sdo, a.h_q, a.n_q,
             a.d_v, BLOCK_DV=head_block(a.d_v), BLOCK_M=block, ALIGN=align)
-        _attn_bwd_dkdv_kernel[lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)](
-            q, k, v, do, lse2, delta, dk, dv, *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
-        _attn_bwd_dq_kernel[lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)](
-            q, k, v, do, lse2, delta, dq, *sq, *sk, *sv, *sdo, *sdq, *sizes, **common)
+        launch_tuned(_attn_bwd_dkdv_kernel, grid_kv, q, k, v, do, lse2, delta, dk, dv,
+                     *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
+        launch_tuned(_attn_bwd_dq_kernel, grid_q, q, k, v, do, lse2, delta, dq,
+                     *sq, *sk, *sv, *sdo, *sdq, *sizes, **common)
     launches["bwd"] += 1
     return dq, dk, dv

@@ -42,6 +42,28 @@ def keep_fitting(configs, fits) -> list:
     return kept if autotuning() else kept[:1]
 
 
+# Configs the autotuner picked, per (kernel, dtype, key values): see launch_tuned.
+_TUNED: dict = {}
+
+
+def launch_tuned(kernel, grid, *args, **kwargs) -> None:
+    """Launch an ``@triton.autotune`` kernel. Triton's Autotuner rebuilds its cache key from all
+    of a launch's ~60 arguments on every call (a list-membership test per argument): about
+    0.15 ms of Python per launch on the CPU machine, and on the H200 the forward at
+    B8 H16 N1024 D72 took 0.34 ms per call against 0.17 ms of GPU time. Here the key is read
+    from the keyword arguments the kernel's ``key`` names (the launchers pass all of them by
+    keyword) and the dtype of the first tensor (every other tensor of a launch has that dtype
+    or a fixed float32); the first call for a key tunes through the Autotuner, later ones launch
+    the picked config directly."""
+    key = (kernel, args[0].dtype, *[kwargs[k] for k in kernel.keys])
+    config = _TUNED.get(key)
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        _TUNED[key] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[grid](*args, **kwargs, **config)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()  # triton.next_power_of_2 costs ~4 us a call
 

@@ -24,6 +24,7 @@ from flashjvp._common import (
     keep_fitting,
     key_range,
     launch_device,
+    launch_tuned,
     length_bucket,
     load_tile,
     lse_buffer,
@@ -122,8 +123,7 @@ def _attn_fwd_kernel(
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
     s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
-    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
-    N_Q_BUCKET, N_K_BUCKET,
+    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
@@ -223,12 +223,13 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
-        _attn_fwd_kernel[grid](
+        launch_tuned(
+            _attn_fwd_kernel, grid,
             q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
             o, o if to is None else to, lse, lse if mu is None else mu,
             *[s for st in strides for s in st],
             a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
-            length_bucket(a.n_q), length_bucket(a.n_k),
+            N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
             CAUSAL=a.causal is not None, HAS_TQ=tq is not None, HAS_TK=tk is not None,
             HAS_TV=tv is not None, STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),

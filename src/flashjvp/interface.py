@@ -8,6 +8,7 @@ from torch._C._functorch import TransformType
 
 from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._common import interpreting
+from flashjvp._fwd import attn_fwd
 from flashjvp._validate import check_inputs
 from flashjvp.ref import attention_jvp_ref, attention_ref
 
@@ -21,12 +22,25 @@ def _use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and interpreting())
 
 
-def _needs_math_path() -> bool:
+def _transforms() -> list:
+    """The active ``torch.func`` transforms, innermost last (empty outside them)."""
+    return torch._C._functorch.get_interpreter_stack() or []
+
+
+def _needs_math_path(stack: list) -> bool:
     """``torch.func.vmap`` (and so ``jacfwd``) and nested forward transforms run the math
     reference: the Triton launch is neither batchable nor differentiable to second order."""
-    stack = torch._C._functorch.get_interpreter_stack() or []
     keys = [i.key() for i in stack]
     return TransformType.Vmap in keys or keys.count(TransformType.Jvp) > 1
+
+
+def _plain(stack: list, *xs: torch.Tensor) -> bool:
+    """No autograd graph to record, no forward-AD level and no ``torch.func`` transform: the
+    launcher can run without an ``autograd.Function``, whose ``apply`` costs about as much
+    Python as the rest of a call (it binds its arguments with ``inspect.Signature.bind``)."""
+    if stack or fwAD._current_level >= 0:
+        return False
+    return not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs))
 
 
 def _has_tangent(x: torch.Tensor) -> bool:
@@ -56,9 +70,12 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
     ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
     """
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
-    if not _use_kernels(q) or _needs_math_path():
+    stack = _transforms() if _use_kernels(q) else []
+    if not _use_kernels(q) or _needs_math_path(stack):
         return attention_ref(q, k, v, causal=causal, scale=scale, layout=layout,
                              block_q=None if q.is_cuda else _CPU_BLOCK_Q)
+    if _plain(stack, q, k, v):
+        return attn_fwd(q, k, v, None, None, None, a)[0]
     defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
     o, _ = AttentionFunction.apply(q, k, v, a, defer)
     return o
@@ -83,14 +100,17 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
                      allow_float64=False)
-    if not _use_kernels(q) or _needs_math_path():
+    stack = _transforms() if _use_kernels(q) else []
+    if not _use_kernels(q) or _needs_math_path(stack):
         o, to, lse, mu = attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale,
                                            layout=layout, return_lse=True,
                                            block_q=None if q.is_cuda else _CPU_BLOCK_Q)
+    elif _plain(stack, q, k, v, tq, tk, tv):
+        o, to, lse, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=return_lse)
     else:
         o, to, lse, mu = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, return_lse)
-        if to is None:
-            to = torch.zeros_like(o)
-        if return_lse and mu is None:
-            mu = torch.zeros_like(lse)
+    if to is None:  # no tangent at all
+        to = torch.zeros_like(o)
+    if return_lse and mu is None:
+        mu = torch.zeros_like(lse)
     return (o, to, lse, mu) if return_lse else (o, to)
