@@ -413,9 +413,16 @@ def test_patch_is_thread_local():
     assert seen["fwd"] == 0
 
 
-def test_patch_under_jvp_and_through_torch_modules():
+@pytest.mark.parametrize("redispatch", ["skip_one_hop", "rebound_globals"])
+def test_patch_under_jvp_and_through_torch_modules(redispatch, monkeypatch):
     """nn.MultiheadAttention calls SDPA from inside F.multi_head_attention_forward (itself a torch
-    function): the patch must reach it, and torch.func.jvp must run the fused kernel."""
+    function): the patch must reach it, and torch.func.jvp must run the fused kernel. Both ways
+    of reaching it: torch._C._skip_one_hop_torch_function where PyTorch has it (2.13), and the
+    copy with rebound globals used without it (2.11)."""
+    if redispatch == "rebound_globals":
+        monkeypatch.setattr(sdpa_module, "_redispatch", None)
+    elif sdpa_module._redispatch is None:
+        pytest.skip("this PyTorch has no torch._C._skip_one_hop_torch_function")
     torch.manual_seed(0)
     mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).to(DEVICE)
     x, t = rand(2, 8, 16, seed=1), rand(2, 8, 16, seed=2)

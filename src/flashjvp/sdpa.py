@@ -52,12 +52,31 @@ _TORCH, _MATH = "torch", "math"
 
 # Calls ``func`` past one level of ``__torch_function__`` handling, so that a mode passing a
 # Python-level function of ``torch.nn.functional`` through (``multi_head_attention_forward``) can
-# stay active for the SDPA call inside it. Older PyTorch lacks it: such bodies then run unpatched.
+# stay active for the SDPA call inside it. PyTorch 2.11 lacks it: see _with_sdpa_rebound.
 _redispatch = getattr(torch._C, "_skip_one_hop_torch_function", None)
+_rebound: dict = {}
 
 
 def _is_python_functional(func) -> bool:
     return isinstance(func, FunctionType) and func.__module__ == "torch.nn.functional"
+
+
+def _with_sdpa_rebound(func):
+    """For PyTorch without ``_skip_one_hop_torch_function`` (2.11): a copy of a
+    ``torch.nn.functional`` function whose global ``scaled_dot_product_attention`` is
+    :func:`sdpa` (the copy shares code, defaults and closure; only its globals differ). A mode is
+    switched off while its ``__torch_function__`` runs, so without this the SDPA call inside
+    ``F.multi_head_attention_forward`` would run PyTorch's own SDPA, which fails under
+    ``torch.func.jvp`` on CUDA (seen on the H200 with torch 2.11)."""
+    if "scaled_dot_product_attention" not in func.__code__.co_names:
+        return func
+    copy = _rebound.get(func)
+    if copy is None:
+        copy = FunctionType(func.__code__, {**func.__globals__, "scaled_dot_product_attention": sdpa},
+                            func.__name__, func.__defaults__, func.__closure__)
+        copy.__kwdefaults__ = func.__kwdefaults__
+        _rebound[func] = copy
+    return copy
 
 
 class SDPAFallbackWarning(UserWarning):
@@ -245,9 +264,11 @@ class _SDPAMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _torch_sdpa and not _inside_sdpa.get():
             return sdpa(*args, **kwargs)
-        if _redispatch is not None and _is_python_functional(func):
-            with self:  # stay on for the calls inside, e.g. F.multi_head_attention_forward's SDPA
-                return _redispatch(func, types, args, kwargs)
+        if _is_python_functional(func):
+            if _redispatch is not None:
+                with self:  # stay on for the calls inside, e.g. F.multi_head_attention_forward's SDPA
+                    return _redispatch(func, types, args, kwargs)
+            return _with_sdpa_rebound(func)(*args, **kwargs)
         return func(*args, **kwargs)
 
 
