@@ -2,7 +2,7 @@
 
 For each shape and mode (``fwd``: no tangents, ``fwd_jvp``: all tangents) it prints
 - the config the autotuner picks and its time;
-- each tile of ``_FWD_TILES`` forced alone (median of ``do_bench``, ms), or why it was pruned;
+- each tile of ``_FWD_TILES`` (or of ``--tiles``) forced alone (median of ``do_bench``, ms), or why it was pruned;
 - the same call timed inside a CUDA graph (``do_bench_cudagraph``): GPU time without the
   Python side, so ``do_bench - cudagraph`` is what the host adds per call.
 
@@ -33,7 +33,7 @@ def _force(configs):
     kernel.cache.clear()
 
 
-def sweep(b, h, n, d, mode, dtype):
+def sweep(b, h, n, d, mode, dtype, tiles):
     x = [torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(6)]
     fn = _call(mode, *x)
     full = list(_fwd._attn_fwd_kernel.configs)
@@ -45,7 +45,7 @@ def sweep(b, h, n, d, mode, dtype):
     g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
     print(f"B{b} H{h} N{n} D{d} {mode}: autotuned {picked} -> {t:.4f} ms, in a CUDA graph {g:.4f} ms "
           f"(host adds {t - g:+.4f} ms)", flush=True)
-    for c in full:
+    for c in tiles or full:
         _force([c])
         name = f"  BM{c.kwargs['BLOCK_M']} BN{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
         try:
@@ -65,11 +65,15 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,72", "32,16,256,72", "2,24,4096,128"])
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd_jvp"])
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tiles", nargs="*", default=[],
+                   help="BM,BN,WARPS,STAGES tiles to time instead of _FWD_TILES, e.g. 128,64,8,2")
     a = p.parse_args()
+    tiles = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+             for bm, bn, w, st in (map(int, t.split(",")) for t in a.tiles)]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for s in a.shapes:
         for mode in a.modes:
-            sweep(*map(int, s.split(",")), mode, getattr(torch, a.dtype))
+            sweep(*map(int, s.split(",")), mode, getattr(torch, a.dtype), tiles)
 
 
 if __name__ == "__main__":
