@@ -1,0 +1,86 @@
+"""Does Triton's automatic warp specialization apply on Hopper? Compile-only, no GPU needed.
+
+Compiles a minimal FlashAttention forward loop for sm_90a with ``tl.range(...,
+warp_specialize=WS)`` in two variants, K/V read through tensor descriptors (TMA) or through
+pointers (``cp.async``), for 4 and 8 warps, and counts what the PTX holds: ``setmaxnreg`` (the
+register split between producer and consumer warp groups, present only when the loop was
+specialized), wgmma, TMA copies and mbarriers. Findings with Triton 3.6 are in
+benchmarks/NOTES.md.
+
+    python scripts/hopper_ws_probe.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+
+@triton.jit
+def _probe_kernel(Q, K, V, O, N, stride_n, WS: tl.constexpr, TMA: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)  # (BM,)
+    offs_n = tl.arange(0, BN)  # (BN,)
+    offs_d = tl.arange(0, D)  # (D,)
+    if TMA:
+        q = tl.make_tensor_descriptor(Q, [N, D], [stride_n, 1], [BM, D]).load([tl.program_id(0) * BM, 0])  # (BM, D)
+    else:
+        q = tl.load(Q + offs_m[:, None] * stride_n + offs_d[None, :])  # (BM, D)
+    k_desc = tl.make_tensor_descriptor(K, [N, D], [stride_n, 1], [BN, D])
+    v_desc = tl.make_tensor_descriptor(V, [N, D], [stride_n, 1], [BN, D])
+    acc = tl.zeros([BM, D], tl.float32)  # (BM, D)
+    m = tl.full([BM], -float("inf"), tl.float32)  # (BM,)
+    l_sum = tl.zeros([BM], tl.float32)  # (BM,)
+    for start in tl.range(0, N, BN, warp_specialize=WS):
+        if TMA:
+            k = k_desc.load([start, 0]).T  # (D, BN)
+            v = v_desc.load([start, 0])  # (BN, D)
+        else:
+            k = tl.load(K + (start + offs_n)[None, :] * stride_n + offs_d[:, None])  # (D, BN)
+            v = tl.load(V + (start + offs_n)[:, None] * stride_n + offs_d[None, :])  # (BN, D)
+        s = tl.dot(q, k)  # (BM, BN)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])  # (BM, BN)
+        alpha = tl.math.exp2(m - m_new)
+        l_sum = l_sum * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m = m_new
+    o = (acc / l_sum[:, None]).to(O.dtype.element_ty)  # (BM, D)
+    if TMA:
+        tl.make_tensor_descriptor(O, [N, D], [stride_n, 1], [BM, D]).store([tl.program_id(0) * BM, 0], o)
+    else:
+        tl.store(O + offs_m[:, None] * stride_n + offs_d[None, :], o)
+
+
+def probe(ws: bool, tma: bool, warps: int) -> str:
+    signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "N": "i32", "stride_n": "i32",
+                 "WS": "constexpr", "TMA": "constexpr", "BM": "constexpr", "BN": "constexpr", "D": "constexpr"}
+    constexprs = {(6,): ws, (7,): tma, (8,): 128, (9,): 64, (10,): 128}
+    try:
+        ptx = triton.compile(ASTSource(_probe_kernel, signature, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": warps, "num_stages": 2}).asm["ptx"]
+    except Exception as e:  # noqa: BLE001 - a probe: report the compiler's failure and go on
+        return f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
+    return (f"setmaxnreg {count('setmaxnreg')}, wgmma {count('wgmma.mma_async')}, "
+            f"TMA copies {count('cp.async.bulk.tensor')}, mbarrier {count('mbarrier')}")
+
+
+def main() -> None:
+    print("Triton", triton.__version__, "target sm_90a")
+    for tma in (True, False):
+        for warps in (4, 8):
+            for ws in (False, True):
+                print(f"{'TMA' if tma else 'pointers'}, {warps} warps, warp_specialize={ws}: {probe(ws, tma, warps)}",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
