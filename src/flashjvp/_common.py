@@ -54,14 +54,19 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
     from the keyword arguments the kernel's ``key`` names (the launchers pass all of them by
     keyword) and the dtype of the first tensor (every other tensor of a launch has that dtype
     or a fixed float32); the first call for a key tunes through the Autotuner, later ones launch
-    the picked config directly."""
+    the picked config directly. ``kernel`` is ``@triton.autotune`` over ``@triton.heuristics``
+    whose rules read keyword arguments only."""
     key = (kernel, args[0].dtype, *[kwargs[k] for k in kernel.keys])
     config = _TUNED.get(key)
     if config is None:
         kernel[grid](*args, **kwargs)
         _TUNED[key] = kernel.best_config.all_kwargs()
-    else:
-        kernel.fn[grid](*args, **kwargs, **config)
+        return
+    # The kernel's @triton.heuristics read keyword arguments only; evaluated here on ``kwargs``
+    # instead of Triton's dict of all ~70 arguments per heuristic.
+    heuristics = kernel.fn
+    flags = {name: rule(kwargs) for name, rule in heuristics.values.items()}
+    heuristics.fn[grid](*args, **kwargs, **flags, **config)
 
 
 def _next_power_of_2(n: int) -> int:
