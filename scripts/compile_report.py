@@ -1,11 +1,12 @@
 """Compile flashjvp's kernels for the H200 (sm_90a) on a machine WITHOUT a GPU and report what
-ptxas made of them: registers, spills, vector width of global loads, async copies, wgmma.
+ptxas made of them: registers, spills, vector width of global loads, async copies, wgmma, TMA copies and
+``setmaxnreg`` (present only when a loop was warp-specialized).
 
 GPU time is scarce; register spills and scalar (2-byte) loads are visible here for free.
 Tensors are CPU tensors; every Triton launch is intercepted, compiled for the target and skipped.
 
     python scripts/compile_report.py --b 8 --h 16 --n 1024 --d 72 [--mode fwd_jvp|fwd|bwd]
-        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16]
+        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]]
 """
 
 from __future__ import annotations
@@ -57,9 +58,12 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     loads = sorted(set(re.findall(r"ld\.global[.\w]*", ptx)))
     copies = sorted(set(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (\w+)", ptx)))
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
+    setmaxnreg = len(re.findall(r"setmaxnreg", ptx))  # > 0 only in a warp-specialized kernel
+    tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
     consts = {k: v for k, v in bound.items() if k.isupper() and k.startswith(("BLOCK", "ALIGN", "EVEN", "HAS"))}
     reports.append(f"{self.__name__}: warps={options.num_warps} stages={options.num_stages} {consts}\n"
-                   f"    {info}\n    global loads {loads}; cp.async bytes {copies}; wgmma {wgmma}")
+                   f"    {info}\n    global loads {loads}; cp.async bytes {copies}; wgmma {wgmma}; "
+                   f"TMA copies {tma}; setmaxnreg {setmaxnreg}")
 
 
 def main() -> None:
@@ -75,7 +79,11 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--tile", type=int, nargs=4, metavar=("BM", "BN", "WARPS", "STAGES"),
                     help="one tile to compile (default: each kernel's default tile)")
+    ap.add_argument("--tma", action="store_true", help="forward: the tensor-descriptor path (FLASHJVP_TMA=1)")
+    ap.add_argument("--ws", action="store_true", help="forward: warp-specialize the key loop (needs --tma)")
     args = ap.parse_args()
+    if args.tma:
+        os.environ["FLASHJVP_TMA"] = "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     dv = args.dv or args.d
 
@@ -87,8 +95,10 @@ def main() -> None:
     a = check_inputs(q, k, v, causal=args.causal, scale=None, layout=args.layout)
     for kern, tiles in ((_fwd._attn_fwd_kernel, _fwd._FWD_TILES), (_bwd._attn_bwd_dkdv_kernel, _bwd._BWD_TILES),
                         (_bwd._attn_bwd_dq_kernel, _bwd._BWD_TILES)):
-        bm, bn, w, s = args.tile or tiles[0]  # one config: the autotuner then just launches it
-        kern.configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)]
+        flags = {"WS": args.ws} if kern is _fwd._attn_fwd_kernel else {}
+        default = _fwd._FWD_WS_TILES[0] if flags.get("WS") else tiles[0]
+        bm, bn, w, s = args.tile or default  # one config: the autotuner then just launches it
+        kern.configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **flags}, num_warps=w, num_stages=s)]
     JITFunction.run = _compile_only
     if args.mode == "bwd":
         lse = torch.zeros(args.b, args.h, args.n)

@@ -2,7 +2,7 @@
 
 For each shape and mode (``fwd``: no tangents, ``fwd_jvp``: all tangents) it prints
 - the config the autotuner picks and its time;
-- each tile of ``_FWD_TILES`` (or of ``--tiles``) forced alone (median of ``do_bench``, ms), or why it was pruned;
+- each of the kernel's configs (or of ``--tiles``) forced alone (median of ``do_bench``, ms), or why it was pruned;
 - the same call timed inside a CUDA graph (``do_bench_cudagraph``): GPU time without the
   Python side, so ``do_bench - cudagraph`` is what the host adds per call.
 
@@ -19,6 +19,7 @@ import triton.testing
 
 import flashjvp
 from flashjvp import _fwd
+from flashjvp._common import tma_requested
 
 
 def _call(mode, q, k, v, tq, tk, tv):
@@ -45,7 +46,8 @@ def sweep(b, h, n, d, mode, dtype, tiles):
     g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
     print(f"B{b} H{h} N{n} D{d} {mode}: autotuned {picked} -> {t:.4f} ms, in a CUDA graph {g:.4f} ms "
           f"(host adds {t - g:+.4f} ms)", flush=True)
-    for c in tiles or full:
+    runnable = [c for c in full if not c.kwargs["WS"] or tma_requested()]
+    for c in tiles or runnable:
         _force([c])
         name = f"  BM{c.kwargs['BLOCK_M']} BN{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
         try:
@@ -66,10 +68,12 @@ def main():
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd_jvp"])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tiles", nargs="*", default=[],
-                   help="BM,BN,WARPS,STAGES tiles to time instead of _FWD_TILES, e.g. 128,64,8,2")
+                   help="BM,BN,WARPS,STAGES[,WS] tiles to time instead of the kernel's, e.g. 128,64,8,2 "
+                        "or 128,64,4,2,1 (warp-specialized; needs FLASHJVP_TMA=1)")
     a = p.parse_args()
-    tiles = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-             for bm, bn, w, st in (map(int, t.split(",")) for t in a.tiles)]
+    tiles = [triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "WS": len(t) > 4 and t[4] == 1},
+                           num_warps=t[2], num_stages=t[3])
+             for t in ([int(x) for x in spec.split(",")] for spec in a.tiles)]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for s in a.shapes:
         for mode in a.modes:

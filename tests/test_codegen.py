@@ -8,6 +8,7 @@ was a 2-byte ``ld.global.b16``, 3.3x slower on the H200), while a head dim of 37
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,3 +40,15 @@ def test_forward_loads_are_vectorized_when_aligned(d, vector):
         assert "cp.async bytes ['0x10']" in out, out  # K/V tiles pipelined with 16-byte copies
     else:
         assert "ld.global.b16" in out, out
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd_jvp"])
+def test_tma_tiles_are_warp_specialized(mode):
+    """With FLASHJVP_TMA=1 the warp-specialized tiles must compile to a specialized kernel
+    (producer/consumer register split: setmaxnreg) fed by TMA copies; Triton 3.6 silently drops
+    the specialization (or fails) when, e.g., the kernel has a second key loop or a pointer load."""
+    out = compile_report("--b", "1", "--h", "2", "--n", "256", "--d", "128", "--mode", mode, "--tma", "--ws")
+    assert "_attn_fwd_kernel" in out, out
+    tma = int(re.search(r"TMA copies (\d+)", out).group(1))
+    setmaxnreg = int(re.search(r"setmaxnreg (\d+)", out).group(1))
+    assert tma > 0 and setmaxnreg > 0, out

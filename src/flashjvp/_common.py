@@ -28,12 +28,14 @@ def autotuning() -> bool:
     return os.environ.get("FLASHJVP_AUTOTUNE", "1") != "0"
 
 
-def tile_configs(tiles) -> list:
+def tile_configs(tiles, **flags) -> list:
     """Autotune candidates from ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` rows, the default
-    (kept with FLASHJVP_AUTOTUNE=0) first; one small tile in Triton's interpreter."""
+    (kept with FLASHJVP_AUTOTUNE=0) first; one small tile in Triton's interpreter. ``flags``:
+    further constexprs every one of these configs sets (e.g. ``WS=False``)."""
     if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, **flags}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **flags}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in tiles]
 
 
 def keep_fitting(configs, fits) -> list:
@@ -67,6 +69,33 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
     heuristics = kernel.fn
     flags = {name: rule(kwargs) for name, rule in heuristics.values.items()}
     heuristics.fn[grid](*args, **kwargs, **flags, **config)
+
+
+def tma_requested() -> bool:
+    """``FLASHJVP_TMA=1`` opts in to the forward kernel's tensor-descriptor (TMA) path and its
+    warp-specialized tiles. Off by default: correct in the tests, not yet timed on a GPU."""
+    return os.environ.get("FLASHJVP_TMA", "0") == "1"
+
+
+def tma_usable(tensors, *dims: int) -> bool:
+    """Whether tensor descriptors can address every tensor: unit stride along the head dim,
+    16-byte aligned base and other strides (TMA's rules), in the kernels' dtype."""
+    for x in tensors:
+        if x is None:
+            continue
+        elt = x.element_size()
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * elt % 16 for st in x.stride()[:-1]):
+            return False
+    return all(d >= 1 for d in dims)
+
+
+def ensure_tma_allocator() -> None:
+    """Kernels that build tensor descriptors need scratch memory from Triton's allocator; set
+    one backed by PyTorch's caching allocator unless the program has set its own."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def _next_power_of_2(n: int) -> int:

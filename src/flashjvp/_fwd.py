@@ -5,6 +5,10 @@ once, keeping the online-softmax state (MATH.md, "Online (tiled) form"):
 max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``acc_t`` and ``r``.
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
+
+``FLASHJVP_TMA=1`` (experimental, not yet timed on a GPU) moves every tile through tensor
+descriptors (TMA) when the strides allow it, and adds warp-specialized 4-warp tiles (``WS``:
+one masked key loop, split by Triton into producer and consumer warp groups on Hopper).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from flashjvp._common import (
     aligned3,
     dot_precision,
     empty_out,
+    ensure_tma_allocator,
     head_blocks,
+    interpreting,
     keep_fitting,
     key_range,
     launch_device,
@@ -30,13 +36,21 @@ from flashjvp._common import (
     lse_buffer,
     strides_bhnd,
     tile_configs,
+    tma_requested,
+    tma_usable,
     vector_align,
 )
 from flashjvp._validate import AttnArgs
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default of the pointer path.
 _FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4),
               (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1)]
+# Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
+# 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py).
+_FWD_WS_TILES = [(128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2)]
+# Listed first, so that with FLASHJVP_AUTOTUNE=0 the TMA path runs one of them; the prune drops
+# them without TMA, and its fallback (the last config) is a plain tile.
+_FWD_CONFIGS = ([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
 
 
 def _prune_fwd_configs(configs, named_args, **kwargs):
@@ -49,30 +63,56 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
     jvp = args["HAS_TQ"] or args["HAS_TK"] or args["HAS_TV"]
 
     def fits(c):
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        bm, bn, ws = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["WS"]
+        if ws and not args["TMA"]:
+            return False
         smem = c.num_stages * bn * (dqk + dv + n_tan_kv) * elt + bm * dqk * elt * (2 if jvp else 1)
         acc_regs = bm * dv * (2 if jvp else 1) // (32 * c.num_warps)  # fp32 accumulators per thread
-        return smem <= 200 * 1024 and acc_regs <= 128 and not (jvp and bn > 64)
+        # warp-specialized consumers get more registers (setmaxnreg): allow twice as many
+        return smem <= 200 * 1024 and acc_regs <= (256 if ws else 128) and not (jvp and bn > 64)
 
     return keep_fitting(configs, fits)
 
 
 @triton.jit
+def _desc(base, N, D, stride_n, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Tensor descriptor of one (batch, head)'s (N, D) matrix (unit stride along D), read and
+    written in (BLOCK_ROWS, BLOCK_D) boxes; out-of-bounds rows and columns read as zero."""
+    return tl.make_tensor_descriptor(base, [N, D], [stride_n, 1], [BLOCK_ROWS, BLOCK_D])
+
+
+@triton.jit
+def _load_kv(src, start_n, stride_n, mask0, mask1, MASK0: tl.constexpr, MASK1: tl.constexpr,
+             TMA: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Key block ``start_n`` of K/V/tK/tV: from a tensor descriptor ((BLOCK_N, D) boxes,
+    transposed for K) or from a pointer tile (already laid out as wanted)."""
+    if TMA:
+        x = src.load([start_n, 0])  # (BLOCK_N, BLOCK_D)
+        if TRANSPOSED:
+            x = tl.trans(x)  # (BLOCK_D, BLOCK_N)
+    else:
+        x = load_tile(src + start_n * stride_n, mask0, mask1, MASK0, MASK1)
+    return x
+
+
+@triton.jit
 def _fwd_inner(
     acc_o, acc_t, m_i, l_i, r_i, q, tq,
-    k_ptrs, v_ptrs, tk_ptrs, tv_ptrs, stride_kn, stride_vn, stride_tkn, stride_tvn,
+    k_src, v_src, tk_src, tv_src, stride_kn, stride_vn, stride_tkn, stride_tvn,
     offs_m, offs_n, mask_dqk, mask_dv, lo, hi, N_K, causal_off, scale_log2, scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr,
 ):
-    """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality."""
+    """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality.
+    With TMA the K/V sources are tensor descriptors (zero-filled out of bounds), else pointers."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         keys = start_n + offs_n  # (BLOCK_N,)
         kvalid = keys < N_K  # (BLOCK_N,)
-        k = load_tile(k_ptrs + start_n * stride_kn, mask_dqk, kvalid,
-                      not EVEN_DQK, MASKED)  # (BLOCK_DQK, BLOCK_N), K transposed
+        k = _load_kv(k_src, start_n, stride_kn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
+                     TMA, True)  # (BLOCK_DQK, BLOCK_N), K transposed
         s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             visible = kvalid[None, :]  # (1, BLOCK_N)
@@ -86,8 +126,8 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
         e = tl.math.exp2(s - m_use[:, None])  # (BLOCK_M, BLOCK_N), unnormalised P
         l_i = l_i * alpha + tl.sum(e, 1)
-        v = load_tile(v_ptrs + start_n * stride_vn, kvalid, mask_dv,
-                      MASKED, not EVEN_DV)  # (BLOCK_N, BLOCK_DV)
+        v = _load_kv(v_src, start_n, stride_vn, kvalid, mask_dv, MASKED, not EVEN_DV,
+                     TMA, False)  # (BLOCK_N, BLOCK_DV)
         acc_o = tl.dot(e.to(v.dtype), v, acc_o * alpha[:, None], input_precision=DOT_PREC)
         if HAS_TS or HAS_TV:
             acc_t = acc_t * alpha[:, None]  # (BLOCK_M, BLOCK_DV)
@@ -96,22 +136,22 @@ def _fwd_inner(
             if HAS_TQ:
                 ts = tl.dot(tq, k, ts, input_precision=DOT_PREC)
             if HAS_TK:
-                tk = load_tile(tk_ptrs + start_n * stride_tkn, mask_dqk, kvalid,
-                               not EVEN_DQK, MASKED)  # (BLOCK_DQK, BLOCK_N)
+                tk = _load_kv(tk_src, start_n, stride_tkn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
+                              TMA, True)  # (BLOCK_DQK, BLOCK_N)
                 ts = tl.dot(q, tk, ts, input_precision=DOT_PREC)
             hs = e * (ts * scale)  # (BLOCK_M, BLOCK_N): E * tS
             r_i = r_i * alpha + tl.sum(hs, 1)
             acc_t = tl.dot(hs.to(v.dtype), v, acc_t, input_precision=DOT_PREC)
         if HAS_TV:
-            tv = load_tile(tv_ptrs + start_n * stride_tvn, kvalid, mask_dv,
-                           MASKED, not EVEN_DV)  # (BLOCK_N, BLOCK_DV)
+            tv = _load_kv(tv_src, start_n, stride_tvn, kvalid, mask_dv, MASKED, not EVEN_DV,
+                          TMA, False)  # (BLOCK_N, BLOCK_DV)
             acc_t = tl.dot(e.to(tv.dtype), tv, acc_t, input_precision=DOT_PREC)
         m_i = m_new
     return acc_o, acc_t, m_i, l_i, r_i
 
 
-@triton.autotune(configs=tile_configs(_FWD_TILES), key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
-                                              "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC"],
+@triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
+                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA"],
                  prune_configs_by={"early_config_prune": _prune_fwd_configs})
 @triton.heuristics({
     "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
@@ -126,8 +166,9 @@ def _attn_fwd_kernel(
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
-    STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
+    STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -153,18 +194,32 @@ def _attn_fwd_kernel(
     mask_dqk = offs_dqk < D_QK
     mask_dv = offs_dv < D_V
 
-    qmask = mask_m[:, None] & mask_dqk[None, :]
-    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qn + offs_dqk[None, :] * s_qd,
-                mask=qmask, other=0.0)  # (BLOCK_M, BLOCK_DQK)
-    tq = q
-    if HAS_TQ:
-        tq = tl.load(TQ + b * s_tqb + h * s_tqh + offs_m[:, None] * s_tqn + offs_dqk[None, :] * s_tqd,
-                     mask=qmask, other=0.0)  # (BLOCK_M, BLOCK_DQK)
-    # K and tK are read transposed: (BLOCK_DQK, BLOCK_N) tiles.
-    k_ptrs = K + b * s_kb + h_kv * s_kh + offs_dqk[:, None] * s_kd + offs_n[None, :] * s_kn
-    tk_ptrs = TK + b * s_tkb + h_kv * s_tkh + offs_dqk[:, None] * s_tkd + offs_n[None, :] * s_tkn
-    v_ptrs = V + b * s_vb + h_kv * s_vh + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
-    tv_ptrs = TV + b * s_tvb + h_kv * s_tvh + offs_n[:, None] * s_tvn + offs_dv[None, :] * s_tvd
+    if TMA:  # tensor descriptors over this (batch, head)'s (N, D) slice: TMA copies, zero fill
+        q = _desc(Q + b * s_qb + h * s_qh, N_Q, D_QK, s_qn, BLOCK_M, BLOCK_DQK).load([m0, 0])
+        tq = q
+        if HAS_TQ:
+            tq = _desc(TQ + b * s_tqb + h * s_tqh, N_Q, D_QK, s_tqn, BLOCK_M, BLOCK_DQK).load([m0, 0])
+        k_src = _desc(K + b * s_kb + h_kv * s_kh, N_K, D_QK, s_kn, BLOCK_N, BLOCK_DQK)
+        tk_src = k_src
+        if HAS_TK:
+            tk_src = _desc(TK + b * s_tkb + h_kv * s_tkh, N_K, D_QK, s_tkn, BLOCK_N, BLOCK_DQK)
+        v_src = _desc(V + b * s_vb + h_kv * s_vh, N_K, D_V, s_vn, BLOCK_N, BLOCK_DV)
+        tv_src = v_src
+        if HAS_TV:
+            tv_src = _desc(TV + b * s_tvb + h_kv * s_tvh, N_K, D_V, s_tvn, BLOCK_N, BLOCK_DV)
+    else:
+        qmask = mask_m[:, None] & mask_dqk[None, :]
+        q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qn + offs_dqk[None, :] * s_qd,
+                    mask=qmask, other=0.0)  # (BLOCK_M, BLOCK_DQK)
+        tq = q
+        if HAS_TQ:
+            tq = tl.load(TQ + b * s_tqb + h * s_tqh + offs_m[:, None] * s_tqn + offs_dqk[None, :] * s_tqd,
+                         mask=qmask, other=0.0)  # (BLOCK_M, BLOCK_DQK)
+        # K and tK are read transposed: (BLOCK_DQK, BLOCK_N) tiles.
+        k_src = K + b * s_kb + h_kv * s_kh + offs_dqk[:, None] * s_kd + offs_n[None, :] * s_kn
+        tk_src = TK + b * s_tkb + h_kv * s_tkh + offs_dqk[:, None] * s_tkd + offs_n[None, :] * s_tkn
+        v_src = V + b * s_vb + h_kv * s_vh + offs_n[:, None] * s_vn + offs_dv[None, :] * s_vd
+        tv_src = TV + b * s_tvb + h_kv * s_tvh + offs_n[:, None] * s_tvn + offs_dv[None, :] * s_tvd
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max, log2 units
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running denominator
@@ -173,33 +228,45 @@ def _attn_fwd_kernel(
     acc_t = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # Key blocks every row of this block sees completely run unmasked; the rest are masked.
+    # A warp-specialized loop must be the kernel's only loop (Triton 3.6 fails to compile a
+    # second one after it): then one loop runs over all blocks, masking each.
     full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
+    if WS:
+        full_end = 0
+    else:
+        acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+            acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
+            causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False)
     acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
-        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
-        causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
-        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC)
-    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_ptrs, v_ptrs, tk_ptrs, tv_ptrs,
+        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
         s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
         causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
-        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC)
+        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)  # (BLOCK_M,)
     o = acc_o * inv_l[:, None]  # (BLOCK_M, BLOCK_DV)
     omask = mask_m[:, None] & mask_dv[None, :]
-    tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_dv[None, :] * s_od,
-             o.to(O.dtype.element_ty), mask=omask)
+    if TMA:  # the TMA store clips rows >= N_Q and columns >= D_V
+        _desc(O + b * s_ob + h * s_oh, N_Q, D_V, s_on, BLOCK_M, BLOCK_DV).store([m0, 0], o.to(O.dtype.element_ty))
+    else:
+        tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_dv[None, :] * s_od,
+                 o.to(O.dtype.element_ty), mask=omask)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
     row = (b * H_Q + h) * N_Q + offs_m
     tl.store(LSE + row, lse, mask=mask_m)
     if HAS_TQ or HAS_TK or HAS_TV:
         mu = r_i * inv_l  # (BLOCK_M,) tangent of lse
         to = acc_t * inv_l[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
-        tl.store(TO + b * s_tob + h * s_toh + offs_m[:, None] * s_ton + offs_dv[None, :] * s_tod,
-                 to.to(TO.dtype.element_ty), mask=omask)
+        if TMA:
+            _desc(TO + b * s_tob + h * s_toh, N_Q, D_V, s_ton, BLOCK_M, BLOCK_DV).store(
+                [m0, 0], to.to(TO.dtype.element_ty))
+        else:
+            tl.store(TO + b * s_tob + h * s_toh + offs_m[:, None] * s_ton + offs_dv[None, :] * s_tod,
+                     to.to(TO.dtype.element_ty), mask=omask)
         if STORE_MU:
             tl.store(MU + row, mu, mask=mask_m)
 
@@ -221,6 +288,9 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
+    tma = tma_requested() and tma_usable((q, k, v, tq, tk, tv, o, to))
+    if tma and q.is_cuda:
+        ensure_tma_allocator()
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(
@@ -233,7 +303,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
             CAUSAL=a.causal is not None, HAS_TQ=tq is not None, HAS_TK=tk is not None,
             HAS_TV=tv is not None, STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
-            ALIGN=vector_align(strides, a.d_qk, a.d_v),
+            ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
         )
     launches["fwd"] += 1
     return o, to, lse, mu
