@@ -101,17 +101,24 @@ def test_reference_chunked_matches_unchunked():
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-12)
 
 
-def test_tuned_launch_reuses_the_picked_config(monkeypatch):
-    """After the first launch for an autotune key, a launch with another length of the same
-    bucket goes straight to the picked config (Triton's Autotuner is not consulted again), with
-    correct results; a new bucket goes through the Autotuner again."""
+def _spy_autotuner(monkeypatch, arg: str) -> list:
+    """Forget the configs launch_tuned has picked and record ``arg`` of every call that reaches
+    the forward kernel's Autotuner (launch_tuned's first call per key); returns the record."""
     from flashjvp import _common, _fwd
 
     monkeypatch.setattr(_common, "_TUNED", {})
     kernel = _fwd._attn_fwd_kernel
     seen = []
     real_run = kernel.run
-    monkeypatch.setattr(kernel, "run", lambda *a, **kw: (seen.append(kw["N_Q_BUCKET"]), real_run(*a, **kw))[1])
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: (seen.append(kw[arg]), real_run(*a, **kw))[1])
+    return seen
+
+
+def test_tuned_launch_reuses_the_picked_config(monkeypatch):
+    """After the first launch for an autotune key, a launch with another length of the same
+    bucket goes straight to the picked config (Triton's Autotuner is not consulted again), with
+    correct results; a new bucket goes through the Autotuner again."""
+    seen = _spy_autotuner(monkeypatch, "N_Q_BUCKET")
     for n in (37, 50, 100):  # buckets 64, 64, 128
         q, k, v, tq, tk, tv = make_qkv(1, 2, 2, n, n, 24, 24, "bhnd", torch.float32)
         o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
@@ -141,20 +148,16 @@ def _record_tma(monkeypatch, ws: bool) -> list:
     the TMA flag of every kernel launch is appended to."""
     import triton
 
-    from flashjvp import _common, _fwd
+    from flashjvp import _fwd
     from flashjvp._common import interpreting
 
     monkeypatch.setenv("FLASHJVP_TMA", "1")
-    monkeypatch.setattr(_common, "_TUNED", {})
     kernel = _fwd._attn_fwd_kernel
     bm, bn = (16, 16) if interpreting() else (64, 32)
     monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws},
                                                           num_warps=4, num_stages=2)])
     monkeypatch.setattr(kernel, "cache", {})
-    seen = []
-    real_run = kernel.run
-    monkeypatch.setattr(kernel, "run", lambda *a, **kw: (seen.append(kw["TMA"]), real_run(*a, **kw))[1])
-    return seen
+    return _spy_autotuner(monkeypatch, "TMA")
 
 
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv), layout, given tangents

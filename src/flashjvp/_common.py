@@ -77,16 +77,16 @@ def tma_requested() -> bool:
     return os.environ.get("FLASHJVP_TMA", "0") == "1"
 
 
-def tma_usable(tensors, *dims: int) -> bool:
-    """Whether tensor descriptors can address every tensor: unit stride along the head dim,
-    16-byte aligned base and other strides (TMA's rules), in the kernels' dtype."""
+def tma_usable(tensors) -> bool:
+    """Whether tensor descriptors can address every tensor (``None`` skipped): unit stride
+    along the head dim, 16-byte aligned base and other strides in bytes (TMA's rules)."""
     for x in tensors:
         if x is None:
             continue
         elt = x.element_size()
         if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * elt % 16 for st in x.stride()[:-1]):
             return False
-    return all(d >= 1 for d in dims)
+    return True
 
 
 def ensure_tma_allocator() -> None:

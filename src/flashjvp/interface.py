@@ -70,8 +70,9 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
     ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
     """
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
-    stack = _transforms() if _use_kernels(q) else []
-    if not _use_kernels(q) or _needs_math_path(stack):
+    kernels = _use_kernels(q)
+    stack = _transforms() if kernels else []
+    if not kernels or _needs_math_path(stack):
         return attention_ref(q, k, v, causal=causal, scale=scale, layout=layout,
                              block_q=None if q.is_cuda else _CPU_BLOCK_Q)
     if _plain(stack, q, k, v):
@@ -100,8 +101,9 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
                      allow_float64=False)
-    stack = _transforms() if _use_kernels(q) else []
-    if not _use_kernels(q) or _needs_math_path(stack):
+    kernels = _use_kernels(q)
+    stack = _transforms() if kernels else []
+    if not kernels or _needs_math_path(stack):
         o, to, lse, mu = attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale,
                                            layout=layout, return_lse=True,
                                            block_q=None if q.is_cuda else _CPU_BLOCK_Q)
