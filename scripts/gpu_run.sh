@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session, run from the repo root: bash scripts/gpu_run.sh STEP[,STEP...]
 # Steps: tests (GPU test matrix, fp16/bf16/fp32), bench (python -m flashjvp.bench $BENCH_ARGS),
-# bench2 (a second benchmark run with $BENCH2_ARGS), models (model tests with their peak-memory
+# bench2 (a second benchmark run with $BENCH2_ARGS, environment $BENCH2_ENV, e.g. FLASHJVP_TMA=1),
+# probe (scripts/host_probe.py $PROBE_ARGS: GPU kernel time vs do_bench per call), models (model tests with their peak-memory
 # lines), sweep (scripts/tile_sweep.py $SWEEP_ARGS), demo (examples/meanflow_digits.py, GPU configuration).
-# Limits: TEST_LIMIT, BENCH_LIMIT, BENCH2_LIMIT, SWEEP_LIMIT, DEMO_LIMIT seconds; TEST_PATHS picks test files. Logs and results go to $OUT.
+# Limits: TEST_LIMIT, BENCH_LIMIT, BENCH2_LIMIT, PROBE_LIMIT, SWEEP_LIMIT, DEMO_LIMIT seconds; TEST_PATHS picks test files. Logs and results go to $OUT.
 # Wheels in .whl/ (timm, diffusers: versions as in the Makefile) are installed first if present.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashjvp-gpu}  # the device tool returns what is written under $OUT
@@ -31,7 +32,10 @@ bench() {  # bench NAME EXTRA_ARGS TIME_LIMIT: one benchmark run into $OUT/NAME
     --out "$OUT/$1" 2>&1 | tee "$OUT/$1.log" | grep -E "^\[|wrote" | tail -60
 }
 if has bench; then bench bench1 "${BENCH_ARGS:-}" "${BENCH_LIMIT:-520}"; fi
-if has bench2; then bench bench2 "${BENCH2_ARGS:-}" "${BENCH2_LIMIT:-520}"; fi
+if has bench2; then (export ${BENCH2_ENV:-FLASHJVP_TMA=0}; bench bench2 "${BENCH2_ARGS:-}" "${BENCH2_LIMIT:-520}"); fi
+if has probe; then
+  FLASHJVP_POISON=0 timeout ${PROBE_LIMIT:-200} python3 scripts/host_probe.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.txt"
+fi
 if has sweep; then
   FLASHJVP_POISON=0 timeout ${SWEEP_LIMIT:-200} python3 scripts/tile_sweep.py ${SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.txt"
 fi
