@@ -19,7 +19,7 @@ import triton.testing
 
 import flashjvp
 from flashjvp import _fwd
-from flashjvp._common import tma_requested
+from flashjvp._common import use_tma
 
 
 def _call(mode, q, k, v, tq, tk, tv):
@@ -46,7 +46,8 @@ def sweep(b, h, n, d, mode, dtype, tiles):
     g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
     print(f"B{b} H{h} N{n} D{d} {mode}: autotuned {picked} -> {t:.4f} ms, in a CUDA graph {g:.4f} ms "
           f"(host adds {t - g:+.4f} ms)", flush=True)
-    runnable = [c for c in full if not c.kwargs["WS"] or tma_requested()]
+    tma = use_tma(x if mode != "fwd" else x[:3], jvp=mode != "fwd", d_min=d)
+    runnable = [c for c in full if not c.kwargs["WS"] or tma]
     for c in tiles or runnable:
         _force([c])
         name = f"  BM{c.kwargs['BLOCK_M']} BN{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
@@ -69,7 +70,7 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tiles", nargs="*", default=[],
                    help="BM,BN,WARPS,STAGES[,WS] tiles to time instead of the kernel's, e.g. 128,64,8,2 "
-                        "or 128,64,4,2,1 (warp-specialized; needs FLASHJVP_TMA=1)")
+                        "or 128,64,4,2,1 (warp-specialized; needs the TMA path: FLASHJVP_TMA)")
     a = p.parse_args()
     tiles = [triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "WS": len(t) > 4 and t[4] == 1},
                            num_warps=t[2], num_stages=t[3])

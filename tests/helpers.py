@@ -113,3 +113,34 @@ class Launches:
         self.fwd = fwd_launches["fwd"] - self._f0
         self.bwd = bwd_launches["bwd"] - self._b0
         return False
+
+
+def spy_autotuner(monkeypatch, arg: str) -> list:
+    """Forget the configs launch_tuned has picked and record ``arg`` of every call that reaches
+    the forward kernel's Autotuner (launch_tuned's first call per key); returns the record."""
+    from flashjvp import _common, _fwd
+
+    monkeypatch.setattr(_common, "_TUNED", {})
+    kernel = _fwd._attn_fwd_kernel
+    seen = []
+    real_run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a, **kw: (seen.append(kw[arg]), real_run(*a, **kw))[1])
+    return seen
+
+
+def force_fwd_tile(monkeypatch, *, ws: bool, tma: str, tile=None) -> list:
+    """Run the forward kernel with one tile, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
+    (default: a small 4-warp tile), warp-specialized or not, under ``FLASHJVP_TMA=tma``;
+    returns the list the TMA flag of every launch is appended to."""
+    import triton
+
+    from flashjvp import _fwd
+    from flashjvp._common import interpreting
+
+    monkeypatch.setenv("FLASHJVP_TMA", tma)
+    bm, bn, warps, stages = tile or ((16, 16, 4, 2) if interpreting() else (64, 32, 4, 2))
+    kernel = _fwd._attn_fwd_kernel
+    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws},
+                                                          num_warps=warps, num_stages=stages)])
+    monkeypatch.setattr(kernel, "cache", {})
+    return spy_autotuner(monkeypatch, "TMA")

@@ -4,7 +4,16 @@ import pytest
 import torch
 
 import flashjvp
-from helpers import DTYPE_IDS, DTYPES, MEMORY_KINDS, assert_close, jvp_refs, make_qkv
+from helpers import (
+    DTYPE_IDS,
+    DTYPES,
+    MEMORY_KINDS,
+    assert_close,
+    force_fwd_tile,
+    jvp_refs,
+    make_qkv,
+    spy_autotuner,
+)
 
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv)
 SHAPES = [
@@ -101,24 +110,11 @@ def test_reference_chunked_matches_unchunked():
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-12)
 
 
-def _spy_autotuner(monkeypatch, arg: str) -> list:
-    """Forget the configs launch_tuned has picked and record ``arg`` of every call that reaches
-    the forward kernel's Autotuner (launch_tuned's first call per key); returns the record."""
-    from flashjvp import _common, _fwd
-
-    monkeypatch.setattr(_common, "_TUNED", {})
-    kernel = _fwd._attn_fwd_kernel
-    seen = []
-    real_run = kernel.run
-    monkeypatch.setattr(kernel, "run", lambda *a, **kw: (seen.append(kw[arg]), real_run(*a, **kw))[1])
-    return seen
-
-
 def test_tuned_launch_reuses_the_picked_config(monkeypatch):
     """After the first launch for an autotune key, a launch with another length of the same
     bucket goes straight to the picked config (Triton's Autotuner is not consulted again), with
     correct results; a new bucket goes through the Autotuner again."""
-    seen = _spy_autotuner(monkeypatch, "N_Q_BUCKET")
+    seen = spy_autotuner(monkeypatch, "N_Q_BUCKET")
     for n in (37, 50, 100):  # buckets 64, 64, 128
         q, k, v, tq, tk, tv = make_qkv(1, 2, 2, n, n, 24, 24, "bhnd", torch.float32)
         o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
@@ -143,23 +139,6 @@ def test_forward_with_and_without_autograd(needs):
     assert_close("o", o.detach(), truth, lowp, torch.float32)
 
 
-def _record_tma(monkeypatch, ws: bool) -> list:
-    """Opt in to the TMA path with one forced tile (warp-specialized or not); returns the list
-    the TMA flag of every kernel launch is appended to."""
-    import triton
-
-    from flashjvp import _fwd
-    from flashjvp._common import interpreting
-
-    monkeypatch.setenv("FLASHJVP_TMA", "1")
-    kernel = _fwd._attn_fwd_kernel
-    bm, bn = (16, 16) if interpreting() else (64, 32)
-    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws},
-                                                          num_warps=4, num_stages=2)])
-    monkeypatch.setattr(kernel, "cache", {})
-    return _spy_autotuner(monkeypatch, "TMA")
-
-
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv), layout, given tangents
 TMA_CASES = [
     pytest.param((1, 3, 1, 37, 19, 72, 72), "bnhd", ("tq", "tk", "tv"), id="gqa3-37x19-d72-bnhd"),
@@ -175,7 +154,7 @@ def test_tma_path_matches_reference(shape, layout, given, causal, ws, monkeypatc
     """FLASHJVP_TMA=1: q, K, V, the tangents and the outputs move through tensor descriptors
     (out-of-bounds rows and head-dim columns zero-filled / clipped by the copy itself); with
     ``WS`` one masked loop covers all key blocks. Runs in the interpreter on the CPU."""
-    seen = _record_tma(monkeypatch, ws)
+    seen = force_fwd_tile(monkeypatch, ws=ws, tma="1")
     # each tensor in its own layout, all describable: contiguous, or dims 1 and 2 swapped
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, torch.float32, ("contiguous", "swapped"))
     kw = {n: t for n, t in (("tq", tq), ("tk", tk), ("tv", tv)) if n in given}
@@ -190,10 +169,28 @@ def test_tma_path_matches_reference(shape, layout, given, causal, ws, monkeypatc
 def test_tma_falls_back_when_descriptors_cannot_address(d, kind, monkeypatch):
     """A head dim of 37 (rows not 16-byte aligned) or a head dim with stride 2 cannot be
     described for TMA: the pointer path runs instead, with the same results."""
-    seen = _record_tma(monkeypatch, False)
+    seen = force_fwd_tile(monkeypatch, ws=False, tma="1")
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 21, 21, d, d, "bhnd", torch.float32, (kind,))
     o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
     assert seen == [False]
     truth, lowp = jvp_refs(q, k, v, tq, tk, tv)
     assert_close("o", o, truth[0], lowp[0], torch.float32)
     assert_close("to", to, truth[1], lowp[1], torch.float32)
+
+
+def test_tma_policy(monkeypatch):
+    """FLASHJVP_TMA: ``auto`` never picks TMA for CPU tensors, head dims < 128 or a plain
+    forward; ``1`` whenever descriptors can address every tensor; other values are refused."""
+    from flashjvp._common import use_tma
+
+    q = torch.zeros(1, 2, 64, 128)
+    monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+    assert not use_tma([q], jvp=True, d_min=128)
+    monkeypatch.setenv("FLASHJVP_TMA", "1")
+    assert use_tma([q, None], jvp=False, d_min=16)
+    assert not use_tma([q, q[..., ::2]], jvp=True, d_min=128)
+    monkeypatch.setenv("FLASHJVP_TMA", "0")
+    assert not use_tma([q], jvp=True, d_min=128)
+    monkeypatch.setenv("FLASHJVP_TMA", "yes")
+    with pytest.raises(ValueError, match="FLASHJVP_TMA must be one of .*got 'yes'"):
+        use_tma([q], jvp=True, d_min=128)

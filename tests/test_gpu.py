@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import flashjvp
-from helpers import DTYPE_IDS, assert_close, grad_refs, jvp_refs, make_qkv
+from flashjvp._fwd import _FWD_WS_TILES
+from flashjvp._fwd import launches as fwd_launches
+from helpers import DTYPE_IDS, assert_close, force_fwd_tile, grad_refs, jvp_refs, make_qkv
 
 pytestmark = pytest.mark.gpu
 DT = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
@@ -64,6 +66,59 @@ def test_backward_full_size(case, dtype):
     truth, lowp = grad_refs(q, k, v, do, causal=causal, layout=layout)
     for name, g, ref, ref_lp in zip(("dq", "dk", "dv"), grads, truth, lowp):
         assert_close(name, g, ref, ref_lp, dtype)
+
+
+# The TMA path (FLASHJVP_TMA=auto: forward+JVP, head dims >= 128, Hopper): q, k, v and the
+# tangents contiguous or with dims 1 and 2 swapped, so that descriptors can address them all.
+# (B, Hq, Hkv, Nq, Nk, Dqk, Dv, causal), given tangents
+TMA_MATRIX = [
+    pytest.param((2, 4, 4, 1024, 1024, 128, 128, False), "qkv", id="sa1024"),
+    pytest.param((1, 4, 4, 999, 999, 128, 128, True), "qkv", id="sa999-causal"),
+    pytest.param((1, 8, 2, 777, 1333, 128, 128, "bottom_right"), "qkv", id="gqa4-777x1333-br"),
+    pytest.param((1, 4, 2, 1000, 77, 128, 128, "top_left"), "qkv", id="gqa2-1000x77-tl"),
+    pytest.param((1, 4, 4, 2049, 515, 128, 128, False), "q", id="ca2049x515-tq-only"),
+    pytest.param((1, 2, 1, 300, 300, 256, 256, True), "qkv", id="d256-causal"),
+]
+
+
+def _tma_case(case, given, layout, dtype):
+    *shape, causal = case
+    q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype, kinds=("contiguous", "swapped"))
+    tk, tv = (tk, tv) if given == "qkv" else (None, None)
+    before = fwd_launches["tma"]
+    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout, return_lse=True)
+    assert fwd_launches["tma"] == before + 1, "the TMA path did not run"
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout=layout)
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
+        assert_close(name, got, ref, ref_lp, dtype)
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize(("case", "given"), TMA_MATRIX)
+def test_tma_path_full_size(case, given, dtype, monkeypatch):
+    monkeypatch.delenv("FLASHJVP_TMA", raising=False)  # the default policy picks TMA here
+    _tma_case(case, given, "bhnd", dtype)
+
+
+@pytest.mark.parametrize("tile", [pytest.param(t, id="ws-{}x{}-w{}-s{}".format(*t)) for t in _FWD_WS_TILES]
+                         + [pytest.param(None, id="tma-no-ws")])
+def test_tma_tiles_full_size(tile, monkeypatch):
+    """Every warp-specialized tile of the autotune list (and the TMA path without WS), bf16."""
+    force_fwd_tile(monkeypatch, ws=tile is not None, tma="auto", tile=tile or (128, 64, 8, 3))
+    _tma_case((1, 8, 2, 777, 1333, 128, 128, "bottom_right"), "qkv", "bnhd", torch.bfloat16)
+
+
+@pytest.mark.parametrize(("d", "tangents", "expected"), [(128, True, 1), (64, True, 0), (128, False, 0)],
+                         ids=["d128-jvp", "d64-jvp", "d128-fwd"])
+def test_tma_default_policy(d, tangents, expected, monkeypatch):
+    monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, 256, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",))
+    before = fwd_launches["tma"]
+    if tangents:
+        flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    else:
+        flashjvp.attention(q, k, v)
+    assert fwd_launches["tma"] - before == expected
 
 
 def test_side_stream_and_device_context():

@@ -1,10 +1,11 @@
 """Attention backward (FlashAttention-2) in Triton: dq, dk, dv from the saved log-sum-exp.
 
-Three launches, no atomics, deterministic:
-``_attn_bwd_preprocess_kernel`` (delta = rowsum(dO * O), lse in log2 units),
-``_attn_bwd_dkdv_kernel`` (one program per key block and kv head; sums the query heads of a
-GQA group in a fixed order) and ``_attn_bwd_dq_kernel`` (one program per query block).
-P is recomputed from q, k and lse; no N x N buffer exists.
+Two launches, no atomics, deterministic: ``_attn_bwd_dq_kernel`` (one program per query
+block; computes delta = rowsum(dO * O) for its rows, stores it, and dQ) then
+``_attn_bwd_dkdv_kernel`` (one program per key block and kv head, reading those deltas; sums
+the query heads of a GQA group in a fixed order). P is recomputed from q, k and lse; no N x N
+buffer exists. (A separate delta kernel, as in FlashAttention-2, costs a third launch: on the
+H200 the backward of small shapes was bound by the host's launches, not by the GPU.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from flashjvp._common import (
     aligned3,
     buffer_like,
     dot_precision,
-    head_block,
     head_blocks,
     keep_fitting,
     key_range,
@@ -62,33 +62,16 @@ _EVEN_D = {
 
 
 @triton.jit
-def _attn_bwd_preprocess_kernel(
-    O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod,
-    H_Q, N_Q, D_V, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """delta = rowsum(dO * O); lse2 = lse * log2(e), +inf for rows that saw no key (P = 0)."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    s_ob, s_oh, s_on = aligned3(s_ob, s_oh, s_on, ALIGN)
-    s_dob, s_doh, s_don = aligned3(s_dob, s_doh, s_don, ALIGN)
-    D_V = aligned(D_V, ALIGN)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    offs_d = tl.arange(0, BLOCK_DV)
-    mask = (rows < N_Q)[:, None] & (offs_d < D_V)[None, :]
-    o = tl.load(O + b * s_ob + h * s_oh + rows[:, None] * s_on + offs_d[None, :] * s_od,
-                mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
-    do = tl.load(DO + b * s_dob + h * s_doh + rows[:, None] * s_don + offs_d[None, :] * s_dod,
-                 mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
-    idx = (b * H_Q + h) * N_Q + rows
-    lse = tl.load(LSE + idx, mask=rows < N_Q, other=0.0)
-    tl.store(DELTA + idx, tl.sum(o * do, 1), mask=rows < N_Q)
-    tl.store(LSE2 + idx, tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K), mask=rows < N_Q)
+def _lse_log2(LSE, idx, mask):
+    """The saved lse of rows ``idx`` in log2 units; +inf for rows that saw no key (and masked
+    rows), so that exp2(s - lse2) = P = 0 there."""
+    lse = tl.load(LSE + idx, mask=mask, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
 
 
 @triton.jit
 def _dkdv_inner(
-    dk, dv, k, v, q_ptrs, do_ptrs, lse2_ptr, delta_ptr, s_qn, s_don,
+    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, s_qn, s_don,
     keys, mask_dqk, mask_dv, lo, hi, N_Q, causal_off, scale_log2,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     DOT_PREC: tl.constexpr,
@@ -99,7 +82,7 @@ def _dkdv_inner(
         rows = start_m + offs_mb  # (BLOCK_M,)
         rvalid = rows < N_Q
         q = load_tile(q_ptrs + start_m * s_qn, rvalid, mask_dqk, True, not EVEN_DQK)  # (BLOCK_M, BLOCK_DQK)
-        lse2 = tl.load(lse2_ptr + rows, mask=rvalid, other=float("inf"))  # (BLOCK_M,)
+        lse2 = _lse_log2(lse_ptr, rows, rvalid)  # (BLOCK_M,)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # (BLOCK_N, BLOCK_M): S^T
         pt = tl.math.exp2(st - lse2[None, :])  # (BLOCK_N, BLOCK_M): P^T
         if MASKED:
@@ -118,7 +101,7 @@ def _dkdv_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
@@ -166,10 +149,10 @@ def _attn_bwd_dkdv_kernel(
         do_ptrs = DO + b * s_dob + h * s_doh + tl.arange(0, BLOCK_M)[:, None] * s_don + offs_dv[None, :] * s_dod
         row_base = (b * H_Q + h) * N_Q
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row_base, DELTA + row_base,
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
                                  s_qn, s_don, keys, mask_dqk, mask_dv, lo, full_start, N_Q,
                                  causal_off, scale_log2, BLOCK_M, True, EVEN_DQK, EVEN_DV, DOT_PREC)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE2 + row_base, DELTA + row_base,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
                              s_qn, s_don, keys, mask_dqk, mask_dv, full_start, m_end, N_Q,
                              causal_off, scale_log2, BLOCK_M, False, EVEN_DQK, EVEN_DV, DOT_PREC)
     dk = dk * scale
@@ -210,9 +193,9 @@ def _dq_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ,
+    Q, K, V, O, DO, LSE, DELTA, DQ,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-    s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd,
+    s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
@@ -226,6 +209,7 @@ def _attn_bwd_dq_kernel(
     s_qb, s_qh, s_qn = aligned3(s_qb, s_qh, s_qn, ALIGN)
     s_kb, s_kh, s_kn = aligned3(s_kb, s_kh, s_kn, ALIGN)
     s_vb, s_vh, s_vn = aligned3(s_vb, s_vh, s_vn, ALIGN)
+    s_ob, s_oh, s_on = aligned3(s_ob, s_oh, s_on, ALIGN)
     s_dob, s_doh, s_don = aligned3(s_dob, s_doh, s_don, ALIGN)
     s_dqb, s_dqh, s_dqn = aligned3(s_dqb, s_dqh, s_dqn, ALIGN)
     D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
@@ -241,9 +225,12 @@ def _attn_bwd_dq_kernel(
                   rvalid, mask_dqk, True, not EVEN_DQK)  # (BLOCK_M, BLOCK_DQK)
     do = load_tile(DO + b * s_dob + h * s_doh + rows[:, None] * s_don + offs_dv[None, :] * s_dod,
                    rvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_M, BLOCK_DV)
+    o = load_tile(O + b * s_ob + h * s_oh + rows[:, None] * s_on + offs_dv[None, :] * s_od,
+                  rvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_M, BLOCK_DV)
     idx = (b * H_Q + h) * N_Q + rows
-    lse2 = tl.load(LSE2 + idx, mask=rvalid, other=float("inf"))  # (BLOCK_M,)
-    delta = tl.load(DELTA + idx, mask=rvalid, other=0.0)  # (BLOCK_M,)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,) rowsum(dO * O)
+    tl.store(DELTA + idx, delta, mask=rvalid)  # read by the dK/dV kernel launched next
+    lse2 = _lse_log2(LSE, idx, rvalid)  # (BLOCK_M,)
     k_ptrs = K + b * s_kb + h_kv * s_kh + offs_n[:, None] * s_kn + offs_dqk[None, :] * s_kd
     v_ptrs = V + b * s_vb + h_kv * s_vh + offs_dv[:, None] * s_vd + offs_n[None, :] * s_vn
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
@@ -267,24 +254,20 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` given ``do``, from the saved
     ``lse`` (B, Hq, Nq) float32. Gradients have their input's shape and layout."""
     dq, dk, dv = buffer_like(q), buffer_like(k), buffer_like(v)
-    delta, lse2 = buffer_like(lse), buffer_like(lse)
+    delta = buffer_like(lse)
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
-    sq, sk, sv, sdo, so, sdq, sdk, sdv = (strides_bhnd(x, a.layout) for x in (q, k, v, do, o, dq, dk, dv))
-    align = vector_align((sq, sk, sv, sdo, so, sdq, sdk, sdv), a.d_qk, a.d_v)
+    sq, sk, sv, so, sdo, sdq, sdk, sdv = (strides_bhnd(x, a.layout) for x in (q, k, v, o, do, dq, dk, dv))
+    align = vector_align((sq, sk, sv, so, sdo, sdq, sdk, sdv), a.d_qk, a.d_v)
     common = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk,
                   D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, CAUSAL=a.causal is not None,
                   DOT_PREC=dot_precision(q.dtype), ALIGN=align)
     sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale)
-    grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
+    grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     with launch_device(q):
-        block = 64
-        _attn_bwd_preprocess_kernel[(triton.cdiv(a.n_q, block), a.h_q, a.batch)](
-            o, do, lse, delta, lse2, *so, *sdo, a.h_q, a.n_q,
-            a.d_v, BLOCK_DV=head_block(a.d_v), BLOCK_M=block, ALIGN=align)
-        launch_tuned(_attn_bwd_dkdv_kernel, grid_kv, q, k, v, do, lse2, delta, dk, dv,
+        launch_tuned(_attn_bwd_dq_kernel, grid_q, q, k, v, o, do, lse, delta, dq,
+                     *sq, *sk, *sv, *so, *sdo, *sdq, *sizes, **common)
+        launch_tuned(_attn_bwd_dkdv_kernel, grid_kv, q, k, v, do, lse, delta, dk, dv,
                      *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
-        launch_tuned(_attn_bwd_dq_kernel, grid_q, q, k, v, do, lse2, delta, dq,
-                     *sq, *sk, *sv, *sdo, *sdq, *sizes, **common)
     launches["bwd"] += 1
     return dq, dk, dv

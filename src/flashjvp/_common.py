@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -71,10 +72,29 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
     heuristics.fn[grid](*args, **kwargs, **flags, **config)
 
 
-def tma_requested() -> bool:
-    """``FLASHJVP_TMA=1`` opts in to the forward kernel's tensor-descriptor (TMA) path and its
-    warp-specialized tiles. Off by default: correct in the tests, not yet timed on a GPU."""
-    return os.environ.get("FLASHJVP_TMA", "0") == "1"
+_TMA_MODES = {"auto", "0", "1"}
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def use_tma(tensors, *, jvp: bool, d_min: int) -> bool:
+    """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
+    warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA``: ``auto`` (default)
+    where it was measured faster on the H200: forward+JVP with both head dims >= 128 on a
+    Hopper GPU (benchmarks/NOTES.md); ``1`` wherever the tensors allow it; ``0`` never.
+    ``tensors``: every tensor of the launch (``None`` skipped), the first one a query."""
+    mode = os.environ.get("FLASHJVP_TMA", "auto")
+    if mode not in _TMA_MODES:
+        raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
+    if mode == "0" or (mode == "auto" and not (jvp and d_min >= 128)):
+        return False
+    if not tma_usable(tensors):
+        return False
+    q = tensors[0]
+    return mode == "1" or (q.is_cuda and _hopper(q.device.index))
 
 
 def tma_usable(tensors) -> bool:

@@ -6,9 +6,10 @@ max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
 
-``FLASHJVP_TMA=1`` (experimental, not yet timed on a GPU) moves every tile through tensor
-descriptors (TMA) when the strides allow it, and adds warp-specialized 4-warp tiles (``WS``:
-one masked key loop, split by Triton into producer and consumer warp groups on Hopper).
+The ``TMA`` path (``use_tma``: by default forward+JVP with head dims >= 128 on Hopper, where the
+H200 measured it faster) moves every tile through tensor descriptors when the strides allow it,
+and adds warp-specialized 4-warp tiles (``WS``: one masked key loop, split by Triton into
+producer and consumer warp groups) to the autotune candidates.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ from flashjvp._common import (
     lse_buffer,
     strides_bhnd,
     tile_configs,
-    tma_requested,
-    tma_usable,
+    use_tma,
     vector_align,
 )
 from flashjvp._validate import AttnArgs
@@ -271,8 +271,8 @@ def _attn_fwd_kernel(
             tl.store(MU + row, mu, mask=mask_m)
 
 
-# Launch counter: tests use it to prove that o and to come from one launch.
-launches = {"fwd": 0}
+# Launch counters: tests use them to prove that o and to come from one launch, and which path ran.
+launches = {"fwd": 0, "tma": 0}
 
 
 def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
@@ -288,7 +288,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
-    tma = tma_requested() and tma_usable((q, k, v, tq, tk, tv, o, to))
+    tma = use_tma((q, k, v, tq, tk, tv, o, to), jvp=jvp, d_min=min(a.d_qk, a.d_v))
     if tma and q.is_cuda:
         ensure_tma_allocator()
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
@@ -306,4 +306,5 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
         )
     launches["fwd"] += 1
+    launches["tma"] += tma
     return o, to, lse, mu

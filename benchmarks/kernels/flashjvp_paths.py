@@ -1,0 +1,32 @@
+"""flashjvp's forward+JVP with the TMA path forced on (``tma``) or off (``pointers``), as
+``--kernel``s for the benchmark, so that one run times both next to the default policy
+(``FLASHJVP_TMA=auto``):
+
+    python -m flashjvp.bench --modes fwd_jvp \
+        --kernel flashjvp-tma=benchmarks/kernels/flashjvp_paths.py:tma \
+        --kernel flashjvp-ptr=benchmarks/kernels/flashjvp_paths.py:pointers
+"""
+
+import os
+
+import flashjvp
+
+
+def _with_tma(mode: str, q, k, v, tq, tk, tv, causal, scale):
+    before = os.environ.get("FLASHJVP_TMA")
+    os.environ["FLASHJVP_TMA"] = mode
+    try:
+        return flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, scale=scale)
+    finally:
+        if before is None:
+            del os.environ["FLASHJVP_TMA"]
+        else:
+            os.environ["FLASHJVP_TMA"] = before
+
+
+def tma(q, k, v, tq, tk, tv, causal, scale):
+    return _with_tma("1", q, k, v, tq, tk, tv, causal, scale)
+
+
+def pointers(q, k, v, tq, tk, tv, causal, scale):
+    return _with_tma("0", q, k, v, tq, tk, tv, causal, scale)
