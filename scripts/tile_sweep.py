@@ -4,7 +4,10 @@ For each shape and mode (``fwd``: no tangents, ``fwd_jvp``: all tangents) it pri
 - the config the autotuner picks and its time;
 - each of the kernel's configs (or of ``--tiles``) forced alone (median of ``do_bench``, ms), or why it was pruned;
 - the same call timed inside a CUDA graph (``do_bench_cudagraph``): GPU time without the
-  Python side, so ``do_bench - cudagraph`` is what the host adds per call.
+  Python side, so ``do_bench - cudagraph`` is what the host adds per call;
+- with ``--check``, each tile's largest error per output (o, to, lse, mu) against the float64
+  reference, as a multiple of the error of the same math done by PyTorch in the input dtype
+  (the tests' measure: above ~3 plus the floor the tile is wrong).
 
     PYTHONPATH=src python scripts/tile_sweep.py --shapes 8,16,1024,72 32,16,256,72 2,24,4096,128
 """
@@ -18,7 +21,7 @@ import triton
 import triton.testing
 
 import flashjvp
-from flashjvp import _fwd
+from flashjvp import _common, _fwd
 from flashjvp._common import use_tma
 
 
@@ -28,13 +31,31 @@ def _call(mode, q, k, v, tq, tk, tv):
     return lambda: flashjvp.attention_jvp(q, k, v, tq, tk, tv)
 
 
+def _errors(q, k, v, tq, tk, tv) -> str:
+    """``name: kernel error / PyTorch-in-dtype error`` for o, to, lse, mu (one call)."""
+    jvp = tq is not None
+    args = (q, k, v, tq, tk, tv) if jvp else (q, k, v)
+    got = flashjvp.attention_jvp(*args, return_lse=True)
+    truth = flashjvp.attention_jvp_ref(*[x.double() for x in args], return_lse=True)
+    lowp = flashjvp.attention_jvp_ref(*args, return_lse=True)
+    parts = []
+    for name, g, t, lp in zip(("o", "to", "lse", "mu"), got, truth, lowp):
+        if g is None or t is None:
+            continue
+        err = (g.double() - t).abs().max().item()
+        ref = (lp.double() - t).abs().max().item()
+        parts.append(f"{name} {err:.2e} ({err / max(ref, 1e-30):.1f}x)")
+    return ", ".join(parts)
+
+
 def _force(configs):
     kernel = _fwd._attn_fwd_kernel
     kernel.configs = configs
     kernel.cache.clear()
+    _common._TUNED.clear()  # launch_tuned's picked configs
 
 
-def sweep(b, h, n, d, mode, dtype, tiles):
+def sweep(b, h, n, d, mode, dtype, tiles, check=False):
     x = [torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(6)]
     fn = _call(mode, *x)
     full = list(_fwd._attn_fwd_kernel.configs)
@@ -58,6 +79,8 @@ def sweep(b, h, n, d, mode, dtype, tiles):
             t = triton.testing.do_bench(fn, return_mode="median")
             g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
             print(f"{name}: {t:.4f} ms, graph {g:.4f} ms  [ran {used[0]}]", flush=True)
+            if check:
+                print(f"      errors: {_errors(*x[:3], *(x[3:] if mode != 'fwd' else (None,) * 3))}", flush=True)
         except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
             print(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
     _force(full)
@@ -67,7 +90,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="+", default=["8,16,1024,72", "32,16,256,72", "2,24,4096,128"])
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd_jvp"])
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", nargs="+", default=["bfloat16"])
+    p.add_argument("--check", action="store_true", help="also each tile's error against float64")
     p.add_argument("--tiles", nargs="*", default=[],
                    help="BM,BN,WARPS,STAGES[,WS] tiles to time instead of the kernel's, e.g. 128,64,8,2 "
                         "or 128,64,4,2,1 (warp-specialized; needs the TMA path: FLASHJVP_TMA)")
@@ -78,7 +102,8 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for s in a.shapes:
         for mode in a.modes:
-            sweep(*map(int, s.split(",")), mode, getattr(torch, a.dtype), tiles)
+            for dt in a.dtype:
+                sweep(*map(int, s.split(",")), mode, getattr(torch, dt), tiles, a.check)
 
 
 if __name__ == "__main__":
