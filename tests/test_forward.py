@@ -179,18 +179,19 @@ def test_tma_falls_back_when_descriptors_cannot_address(d, kind, monkeypatch):
 
 
 def test_tma_policy(monkeypatch):
-    """FLASHJVP_TMA: ``auto`` never picks TMA for CPU tensors, head dims < 128 or a plain
-    forward; ``1`` whenever descriptors can address every tensor; other values are refused."""
+    """FLASHJVP_TMA: ``auto`` never picks TMA for CPU tensors (nor, on the GPU, for head dims
+    < 128, < 1024 keys or a plain forward: test_gpu.py); ``1`` whenever descriptors can address
+    every tensor; other values are refused."""
     from flashjvp._common import use_tma
 
     q = torch.zeros(1, 2, 64, 128)
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
-    assert not use_tma([q], jvp=True, d_min=128)
+    assert not use_tma([q], jvp=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "1")
-    assert use_tma([q, None], jvp=False, d_min=16)
-    assert not use_tma([q, q[..., ::2]], jvp=True, d_min=128)
+    assert use_tma([q, None], jvp=False, d_min=16, n_k=1)
+    assert not use_tma([q, q[..., ::2]], jvp=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "0")
-    assert not use_tma([q], jvp=True, d_min=128)
+    assert not use_tma([q], jvp=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "yes")
     with pytest.raises(ValueError, match="FLASHJVP_TMA must be one of .*got 'yes'"):
-        use_tma([q], jvp=True, d_min=128)
+        use_tma([q], jvp=True, d_min=128, n_k=4096)

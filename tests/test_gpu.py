@@ -68,8 +68,8 @@ def test_backward_full_size(case, dtype):
         assert_close(name, g, ref, ref_lp, dtype)
 
 
-# The TMA path (FLASHJVP_TMA=auto: forward+JVP, head dims >= 128, Hopper): q, k, v and the
-# tangents contiguous or with dims 1 and 2 swapped, so that descriptors can address them all.
+# The TMA path (FLASHJVP_TMA=1): q, k, v and the tangents contiguous or with dims 1 and 2
+# swapped, so that descriptors can address them all.
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv, causal), given tangents
 TMA_MATRIX = [
     pytest.param((2, 4, 4, 1024, 1024, 128, 128, False), "qkv", id="sa1024"),
@@ -96,23 +96,25 @@ def _tma_case(case, given, layout, dtype):
 @pytest.mark.parametrize("dtype", DT)
 @pytest.mark.parametrize(("case", "given"), TMA_MATRIX)
 def test_tma_path_full_size(case, given, dtype, monkeypatch):
-    monkeypatch.delenv("FLASHJVP_TMA", raising=False)  # the default policy picks TMA here
+    monkeypatch.setenv("FLASHJVP_TMA", "1")
     _tma_case(case, given, "bhnd", dtype)
 
 
+@pytest.mark.parametrize("dtype", DT)
 @pytest.mark.parametrize("tile", [pytest.param(t, id="ws-{}x{}-w{}-s{}".format(*t)) for t in _FWD_WS_TILES]
                          + [pytest.param(None, id="tma-no-ws")])
-def test_tma_tiles_full_size(tile, monkeypatch):
-    """Every warp-specialized tile of the autotune list (and the TMA path without WS), bf16."""
-    force_fwd_tile(monkeypatch, ws=tile is not None, tma="auto", tile=tile or (128, 64, 8, 3))
-    _tma_case((1, 8, 2, 777, 1333, 128, 128, "bottom_right"), "qkv", "bnhd", torch.bfloat16)
+def test_tma_tiles_full_size(tile, dtype, monkeypatch):
+    """Every warp-specialized tile of the autotune list (and the TMA path without WS)."""
+    force_fwd_tile(monkeypatch, ws=tile is not None, tma="1", tile=tile or (128, 32, 8, 3))
+    _tma_case((1, 8, 2, 777, 1333, 128, 128, "bottom_right"), "qkv", "bnhd", dtype)
 
 
-@pytest.mark.parametrize(("d", "tangents", "expected"), [(128, True, 1), (64, True, 0), (128, False, 0)],
-                         ids=["d128-jvp", "d64-jvp", "d128-fwd"])
-def test_tma_default_policy(d, tangents, expected, monkeypatch):
+@pytest.mark.parametrize(("d", "n_k", "tangents", "expected"),
+                         [(128, 1024, True, 1), (64, 1024, True, 0), (128, 1024, False, 0), (128, 512, True, 0)],
+                         ids=["d128-jvp", "d64-jvp", "d128-fwd", "d128-jvp-512-keys"])
+def test_tma_default_policy(d, n_k, tangents, expected, monkeypatch):
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
-    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, 256, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",))
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, n_k, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",))
     before = fwd_launches["tma"]
     if tangents:
         flashjvp.attention_jvp(q, k, v, tq, tk, tv)

@@ -80,16 +80,16 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def use_tma(tensors, *, jvp: bool, d_min: int) -> bool:
+def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int) -> bool:
     """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
     warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA``: ``auto`` (default)
-    where it was measured faster on the H200: forward+JVP with both head dims >= 128 on a
-    Hopper GPU (benchmarks/NOTES.md); ``1`` wherever the tensors allow it; ``0`` never.
-    ``tensors``: every tensor of the launch (``None`` skipped), the first one a query."""
+    where the H200 measured it faster: forward+JVP with both head dims >= 128 and at least
+    1024 keys, on a Hopper GPU (benchmarks/NOTES.md); ``1`` wherever the tensors allow it;
+    ``0`` never. ``tensors``: every tensor of the launch (``None`` skipped), the first a query."""
     mode = os.environ.get("FLASHJVP_TMA", "auto")
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
-    if mode == "0" or (mode == "auto" and not (jvp and d_min >= 128)):
+    if mode == "0" or (mode == "auto" and not (jvp and d_min >= 128 and n_k >= 1024)):
         return False
     if not tma_usable(tensors):
         return False

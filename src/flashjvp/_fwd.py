@@ -6,8 +6,8 @@ max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
 
-The ``TMA`` path (``use_tma``: by default forward+JVP with head dims >= 128 on Hopper, where the
-H200 measured it faster) moves every tile through tensor descriptors when the strides allow it,
+The ``TMA`` path (``use_tma``: by default forward+JVP with head dims >= 128 and >= 1024 keys
+on Hopper, where the H200 measured it faster) moves every tile through tensor descriptors when the strides allow it,
 and adds warp-specialized 4-warp tiles (``WS``: one masked key loop, split by Triton into
 producer and consumer warp groups) to the autotune candidates.
 """
@@ -35,6 +35,7 @@ from flashjvp._common import (
     length_bucket,
     load_tile,
     lse_buffer,
+    new_buffer,
     strides_bhnd,
     tile_configs,
     use_tma,
@@ -47,7 +48,8 @@ _FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3),
               (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1)]
 # Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
 # 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py).
-_FWD_WS_TILES = [(128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 4, 2)]
+# BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check).
+_FWD_WS_TILES = [(128, 64, 4, 2), (64, 64, 4, 2)]
 # Listed first, so that with FLASHJVP_AUTOTUNE=0 the TMA path runs one of them; the prune drops
 # them without TMA, and its fallback (the last config) is a plain tile.
 _FWD_CONFIGS = ([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
@@ -256,10 +258,8 @@ def _attn_fwd_kernel(
         tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_dv[None, :] * s_od,
                  o.to(O.dtype.element_ty), mask=omask)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
-    row = (b * H_Q + h) * N_Q + offs_m
-    tl.store(LSE + row, lse, mask=mask_m)
+    mu = r_i * inv_l  # (BLOCK_M,) tangent of lse (zero without tangents)
     if HAS_TQ or HAS_TK or HAS_TV:
-        mu = r_i * inv_l  # (BLOCK_M,) tangent of lse
         to = acc_t * inv_l[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
         if TMA:
             _desc(TO + b * s_tob + h * s_toh, N_Q, D_V, s_ton, BLOCK_M, BLOCK_DV).store(
@@ -267,6 +267,16 @@ def _attn_fwd_kernel(
         else:
             tl.store(TO + b * s_tob + h * s_toh + offs_m[:, None] * s_ton + offs_dv[None, :] * s_tod,
                      to.to(TO.dtype.element_ty), mask=omask)
+    if TMA:
+        # Row statistics through a descriptor as well: LSE is then a (B, H, N_Q, 4) float32
+        # buffer holding (lse, mu, 0, 0) per row. On the H200 (Triton 3.6) a plain 1-D store
+        # after the warp-specialized loop with BLOCK_M=128 wrote wrong values (o, to right).
+        col = tl.arange(0, 4)[None, :]  # (1, 4)
+        stats = tl.where(col == 0, lse[:, None], tl.where(col == 1, mu[:, None], 0.0))  # (BLOCK_M, 4)
+        _desc(LSE + (b * H_Q + h) * N_Q * 4, N_Q, 4, 4, BLOCK_M, 4).store([m0, 0], stats)
+    else:
+        row = (b * H_Q + h) * N_Q + offs_m
+        tl.store(LSE + row, lse, mask=mask_m)
         if STORE_MU:
             tl.store(MU + row, mu, mask=mask_m)
 
@@ -288,15 +298,17 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
-    tma = use_tma((q, k, v, tq, tk, tv, o, to), jvp=jvp, d_min=min(a.d_qk, a.d_v))
+    tma = use_tma((q, k, v, tq, tk, tv, o, to), jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k)
     if tma and q.is_cuda:
         ensure_tma_allocator()
+    # the TMA path writes (lse, mu, 0, 0) rows into one buffer, copied out below
+    stats = new_buffer((a.batch, a.h_q, a.n_q, 4), torch.float32, q.device) if tma else None
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(
             _attn_fwd_kernel, grid,
             q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
-            o, o if to is None else to, lse, lse if mu is None else mu,
+            o, o if to is None else to, *((stats, stats) if tma else (lse, lse if mu is None else mu)),
             *[s for st in strides for s in st],
             a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
@@ -305,6 +317,10 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             HAS_TV=tv is not None, STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
         )
+        if tma:
+            lse.copy_(stats[..., 0])
+            if mu is not None:
+                mu.copy_(stats[..., 1])
     launches["fwd"] += 1
     launches["tma"] += tma
     return o, to, lse, mu
