@@ -112,8 +112,8 @@ def test_tma_tiles_full_size(tile, dtype, monkeypatch):
 @pytest.mark.parametrize(("d", "n_k", "tangents", "expected"),
                          [(128, 1024, True, 1), (64, 1024, True, 0), (128, 1024, False, 0), (128, 512, True, 0)],
                          ids=["d128-jvp", "d64-jvp", "d128-fwd", "d128-jvp-512-keys"])
-def test_tma_default_policy(d, n_k, tangents, expected, monkeypatch):
-    monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+def test_tma_auto_policy(d, n_k, tangents, expected, monkeypatch):
+    monkeypatch.setenv("FLASHJVP_TMA", "auto")
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, n_k, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",))
     before = fwd_launches["tma"]
     if tangents:

@@ -1,9 +1,9 @@
-"""flashjvp's forward+JVP with the TMA path forced on (``tma``) or off (``pointers``), as
-``--kernel``s for the benchmark, so that one run times both next to the default policy
-(``FLASHJVP_TMA=auto``):
+"""flashjvp's forward+JVP under each ``FLASHJVP_TMA`` setting: ``auto`` (the policy),
+``tma`` (forced on) and ``pointers`` (off), as ``--kernel``s for the benchmark, so that one run
+times them next to the default:
 
     python -m flashjvp.bench --modes fwd_jvp \
-        --kernel flashjvp-tma=benchmarks/kernels/flashjvp_paths.py:tma \
+        --kernel flashjvp-auto=benchmarks/kernels/flashjvp_paths.py:auto \
         --kernel flashjvp-ptr=benchmarks/kernels/flashjvp_paths.py:pointers
 """
 
@@ -30,3 +30,7 @@ def tma(q, k, v, tq, tk, tv, causal, scale):
 
 def pointers(q, k, v, tq, tk, tv, causal, scale):
     return _with_tma("0", q, k, v, tq, tk, tv, causal, scale)
+
+
+def auto(q, k, v, tq, tk, tv, causal, scale):
+    return _with_tma("auto", q, k, v, tq, tk, tv, causal, scale)

@@ -73,6 +73,9 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
 
 
 _TMA_MODES = {"auto", "0", "1"}
+# FLASHJVP_TMA when unset. "0" until the TMA path's row-statistics store (2026-12-03) has passed
+# the GPU tests; "auto" once it has (benchmarks/NOTES.md).
+TMA_DEFAULT = "0"
 
 
 @functools.cache
@@ -82,11 +85,11 @@ def _hopper(index: int) -> bool:
 
 def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int) -> bool:
     """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
-    warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA``: ``auto`` (default)
-    where the H200 measured it faster: forward+JVP with both head dims >= 128 and at least
+    warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA`` (unset:
+    ``TMA_DEFAULT``): ``auto`` where the H200 measured it faster: forward+JVP with both head dims >= 128 and at least
     1024 keys, on a Hopper GPU (benchmarks/NOTES.md); ``1`` wherever the tensors allow it;
     ``0`` never. ``tensors``: every tensor of the launch (``None`` skipped), the first a query."""
-    mode = os.environ.get("FLASHJVP_TMA", "auto")
+    mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
     if mode == "0" or (mode == "auto" and not (jvp and d_min >= 128 and n_k >= 1024)):
