@@ -6,10 +6,10 @@ max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
 
-The ``TMA`` path (``use_tma``; with ``FLASHJVP_TMA=auto`` forward+JVP with head dims >= 128
-and >= 1024 keys on Hopper, where the H200 measured it faster) moves every tile through tensor descriptors when the strides allow it,
-and adds warp-specialized 4-warp tiles (``WS``: one masked key loop, split by Triton into
-producer and consumer warp groups) to the autotune candidates.
+The ``TMA`` path (``use_tma``, experimental, off by default: it failed GPU correctness tests on
+2026-12-03) moves every tile through tensor descriptors when the strides allow it, and adds
+warp-specialized 4-warp tiles (``WS``: one masked key loop, split by Triton into producer and
+consumer warp groups) to the autotune candidates.
 """
 
 from __future__ import annotations
