@@ -1,6 +1,6 @@
 """Compile flashjvp's kernels for the H200 (sm_90a) on a machine WITHOUT a GPU and report what
-ptxas made of them: registers, spills, vector width of global loads, async copies, wgmma, TMA copies and
-``setmaxnreg`` (present only when a loop was warp-specialized).
+ptxas made of them: registers, spills, shared memory, vector width of global loads, async copies,
+wgmma, TMA copies and ``setmaxnreg`` (present only when a loop was warp-specialized).
 
 GPU time is scarce; register spills and scalar (2-byte) loads are visible here for free.
 Tensors are CPU tensors; every Triton launch is intercepted, compiled for the target and skipped.
@@ -62,7 +62,8 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
     consts = {k: v for k, v in bound.items() if k.isupper() and k.startswith(("BLOCK", "ALIGN", "EVEN", "HAS"))}
     reports.append(f"{self.__name__}: warps={options.num_warps} stages={options.num_stages} {consts}\n"
-                   f"    {info}\n    global loads {loads}; cp.async bytes {copies}; wgmma {wgmma}; "
+                   f"    {info}; shared memory {kernel.metadata.shared} B (H200 limit 232448)\n"
+                   f"    global loads {loads}; cp.async bytes {copies}; wgmma {wgmma}; "
                    f"TMA copies {tma}; setmaxnreg {setmaxnreg}")
 
 

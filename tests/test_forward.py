@@ -195,3 +195,21 @@ def test_tma_policy(monkeypatch):
     monkeypatch.setenv("FLASHJVP_TMA", "yes")
     with pytest.raises(ValueError, match="FLASHJVP_TMA must be one of .*got 'yes'"):
         use_tma([q], jvp=True, d_min=128, n_k=4096)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_ws_tiles_kept_for_16_bit_tma_only(dtype, monkeypatch):
+    """The prune keeps warp-specialized tiles only on the TMA path with 16-bit inputs (float32
+    WS tiles compile without wgmma, with heavy spills)."""
+    import triton
+
+    from flashjvp._fwd import _prune_fwd_configs
+
+    monkeypatch.setenv("FLASHJVP_AUTOTUNE", "1")
+    ws = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "WS": True}, num_warps=4, num_stages=2)
+    plain = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "WS": False}, num_warps=4, num_stages=2)
+    args = dict(BLOCK_DQK=32, BLOCK_DV=32, HAS_TQ=True, HAS_TK=True, HAS_TV=True)  # fits either way
+    q = {"Q": torch.zeros(1, dtype=dtype)}
+    kept = _prune_fwd_configs([ws, plain], q, **args, TMA=True)
+    assert kept == ([ws, plain] if dtype == torch.bfloat16 else [plain])
+    assert _prune_fwd_configs([ws, plain], q, **args, TMA=False) == [plain]

@@ -101,7 +101,7 @@ def test_tma_path_full_size(case, given, dtype, monkeypatch):
     _tma_case(case, given, "bhnd", dtype)
 
 
-@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize("dtype", DT[:2])  # the prune keeps WS tiles to 16-bit inputs
 @pytest.mark.parametrize("tile", [pytest.param(t, id="ws-{}x{}-w{}-s{}".format(*t)) for t in _FWD_WS_TILES]
                          + [pytest.param(None, id="tma-no-ws")])
 def test_tma_tiles_full_size(tile, dtype, monkeypatch):
