@@ -7,6 +7,8 @@ Tensors are CPU tensors; every Triton launch is intercepted, compiled for the ta
 
     python scripts/compile_report.py --b 8 --h 16 --n 1024 --d 72 [--mode fwd_jvp|fwd|bwd]
         [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]]
+
+``DUMP_PTX=FILE`` / ``DUMP_TTGIR=FILE`` write the (last) kernel's PTX / TritonGPU IR.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET,
                             options=options.__dict__)
     ptx = kernel.asm["ptx"]
+    if os.environ.get("DUMP_TTGIR"):
+        Path(os.environ["DUMP_TTGIR"]).write_text(kernel.asm["ttgir"])
     if os.environ.get("DUMP_PTX"):
         Path(os.environ["DUMP_PTX"]).write_text(ptx)
     with tempfile.TemporaryDirectory() as tmp:
