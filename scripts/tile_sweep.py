@@ -55,30 +55,38 @@ def _force(configs):
     _common._TUNED.clear()  # launch_tuned's picked configs
 
 
-def sweep(b, h, n, d, mode, dtype, tiles, check=False):
+def _tile_name(c) -> str:
+    ws = " WS" if c.kwargs.get("WS") else ""
+    return f"BM{c.kwargs['BLOCK_M']} BN{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}{ws}"
+
+
+def sweep(b, h, n, d, mode, dtype, tiles, check=False, autotune=True):
     x = [torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(6)]
     fn = _call(mode, *x)
     full = list(_fwd._attn_fwd_kernel.configs)
-    _force(full)
-    fn()
-    torch.cuda.synchronize()
-    picked = list(_fwd._attn_fwd_kernel.cache.values())
-    t = triton.testing.do_bench(fn, return_mode="median")
-    g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
-    print(f"B{b} H{h} N{n} D{d} {mode}: autotuned {picked} -> {t:.4f} ms, in a CUDA graph {g:.4f} ms "
-          f"(host adds {t - g:+.4f} ms)", flush=True)
+    print(f"B{b} H{h} N{n} D{d} {mode} {dtype}:", flush=True)
+    if autotune:
+        _force(full)
+        fn()
+        torch.cuda.synchronize()
+        picked = ", ".join(_tile_name(c) for c in _fwd._attn_fwd_kernel.cache.values())
+        t = triton.testing.do_bench(fn, return_mode="median")
+        g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+        print(f"  autotuned [{picked}] -> {t:.4f} ms, in a CUDA graph {g:.4f} ms "
+              f"(host adds {t - g:+.4f} ms)", flush=True)
     tma = use_tma(x if mode != "fwd" else x[:3], jvp=mode != "fwd", d_min=d, n_k=n)
     runnable = [c for c in full if not c.kwargs["WS"] or tma]
     for c in tiles or runnable:
         _force([c])
-        name = f"  BM{c.kwargs['BLOCK_M']} BN{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+        name = f"  {_tile_name(c)}"
         try:
+            _fwd.launches["tma"] = 0
             fn()
             torch.cuda.synchronize()
-            used = list(_fwd._attn_fwd_kernel.cache.values()) or ["(one config, no tuning)"]
             t = triton.testing.do_bench(fn, return_mode="median")
             g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
-            print(f"{name}: {t:.4f} ms, graph {g:.4f} ms  [ran {used[0]}]", flush=True)
+            tma_ran = _fwd.launches["tma"] > 0
+            print(f"{name}: {t:.4f} ms, graph {g:.4f} ms  [TMA path: {tma_ran}]", flush=True)
             if check:
                 print(f"      errors: {_errors(*x[:3], *(x[3:] if mode != 'fwd' else (None,) * 3))}", flush=True)
         except Exception as e:  # noqa: BLE001 - a diagnostic: report and go on
@@ -92,6 +100,8 @@ def main():
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd_jvp"])
     p.add_argument("--dtype", nargs="+", default=["bfloat16"])
     p.add_argument("--check", action="store_true", help="also each tile's error against float64")
+    p.add_argument("--no-autotune", dest="autotune", action="store_false",
+                   help="skip the autotuned run (compiles every config) and time only the tiles")
     p.add_argument("--tiles", nargs="*", default=[],
                    help="BM,BN,WARPS,STAGES[,WS] tiles to time instead of the kernel's, e.g. 128,64,8,2 "
                         "or 128,64,4,2,1 (warp-specialized; needs the TMA path: FLASHJVP_TMA)")
@@ -103,7 +113,7 @@ def main():
     for s in a.shapes:
         for mode in a.modes:
             for dt in a.dtype:
-                sweep(*map(int, s.split(",")), mode, getattr(torch, dt), tiles, a.check)
+                sweep(*map(int, s.split(",")), mode, getattr(torch, dt), tiles, a.check, a.autotune)
 
 
 if __name__ == "__main__":

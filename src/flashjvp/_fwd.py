@@ -117,24 +117,9 @@ def _fwd_inner(
         kvalid = keys < N_K  # (BLOCK_N,)
         k = _load_kv(k_src, start_n, stride_kn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
                      TMA, True)  # (BLOCK_DQK, BLOCK_N), K transposed
-        s = tl.dot(q, k, input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N), log2 units
-        if MASKED:
-            visible = kvalid[None, :]  # (1, BLOCK_N)
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= offs_m[:, None] + causal_off)  # (BLOCK_M, BLOCK_N)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
-        m_use = m_new
-        if MASKED:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
-        e = tl.math.exp2(s - m_use[:, None])  # (BLOCK_M, BLOCK_N), unnormalised P
-        l_i = l_i * alpha + tl.sum(e, 1)
-        v = _load_kv(v_src, start_n, stride_vn, kvalid, mask_dv, MASKED, not EVEN_DV,
-                     TMA, False)  # (BLOCK_N, BLOCK_DV)
-        acc_o = tl.dot(e.to(v.dtype), v, acc_o * alpha[:, None], input_precision=DOT_PREC)
-        if HAS_TS or HAS_TV:
-            acc_t = acc_t * alpha[:, None]  # (BLOCK_M, BLOCK_DV)
+        s = tl.dot(q, k, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N), unscaled logits
+        # tS is issued right after S: the MMA of E.V below then overlaps the E * tS arithmetic
+        # (Triton waits for a dot at once unless it only feeds a loop-carried accumulator).
         if HAS_TS:
             ts = tl.zeros_like(s)  # (BLOCK_M, BLOCK_N): tQ.K^T + Q.tK^T
             if HAS_TQ:
@@ -143,6 +128,24 @@ def _fwd_inner(
                 tk = _load_kv(tk_src, start_n, stride_tkn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
                               TMA, True)  # (BLOCK_DQK, BLOCK_N)
                 ts = tl.dot(q, tk, ts, input_precision=DOT_PREC)
+        if MASKED:
+            visible = kvalid[None, :]  # (1, BLOCK_N)
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= offs_m[:, None] + causal_off)  # (BLOCK_M, BLOCK_N)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # (BLOCK_M,), log2 units (scale > 0)
+        m_use = m_new
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
+        e = tl.math.exp2(s * scale_log2 - m_use[:, None])  # (BLOCK_M, BLOCK_N), unnormalised P (one FMA)
+        l_i = l_i * alpha + tl.sum(e, 1)
+        v = _load_kv(v_src, start_n, stride_vn, kvalid, mask_dv, MASKED, not EVEN_DV,
+                     TMA, False)  # (BLOCK_N, BLOCK_DV)
+        acc_o = tl.dot(e.to(v.dtype), v, acc_o * alpha[:, None], input_precision=DOT_PREC)
+        if HAS_TS or HAS_TV:
+            acc_t = acc_t * alpha[:, None]  # (BLOCK_M, BLOCK_DV)
+        if HAS_TS:
             hs = e * (ts * scale)  # (BLOCK_M, BLOCK_N): E * tS
             r_i = r_i * alpha + tl.sum(hs, 1)
             acc_t = tl.dot(hs.to(v.dtype), v, acc_t, input_precision=DOT_PREC)
