@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import warnings
 
 import torch
 import triton
@@ -74,11 +73,9 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
 
 
 _TMA_MODES = {"auto", "0", "1"}
-# FLASHJVP_TMA when unset. "0": the TMA path failed GPU correctness tests on 2026-12-03, after
-# its row-statistics fix too (benchmarks/NOTES.md); "auto" once it passes them.
-TMA_DEFAULT = "0"
-_TMA_WARNING = ("flashjvp: FLASHJVP_TMA selects the experimental TMA / warp-specialized forward, which "
-                "failed GPU correctness tests (benchmarks/NOTES.md); do not trust its results")
+# FLASHJVP_TMA when unset. "auto": the TMA path passed the GPU tests and its row-statistics check
+# on 2026-12-03 (second session) and was faster at D = 128 (benchmarks/NOTES.md).
+TMA_DEFAULT = "auto"
 
 
 @functools.cache
@@ -89,22 +86,20 @@ def _hopper(index: int) -> bool:
 def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int) -> bool:
     """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
     warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA`` (unset:
-    ``TMA_DEFAULT``): ``auto`` where the H200 measured it faster: forward+JVP with both head
-    dims >= 128 and at least 1024 keys, on a Hopper GPU (benchmarks/NOTES.md); ``1`` wherever
-    the tensors allow it; ``0`` never. On a GPU the path warns that it is experimental.
+    ``TMA_DEFAULT``): ``auto`` where the H200 measured it faster: forward+JVP of 16-bit inputs
+    with both head dims >= 128 and at least 1024 keys, on a Hopper GPU (benchmarks/NOTES.md);
+    ``1`` wherever the tensors allow it; ``0`` never.
     ``tensors``: every tensor of the launch (``None`` skipped), the first a query."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
-    if mode == "0" or (mode == "auto" and not (jvp and d_min >= 128 and n_k >= 1024)):
-        return False
-    if not tma_usable(tensors):
-        return False
     q = tensors[0]
-    if q.is_cuda and (mode == "1" or _hopper(q.device.index)):
-        warnings.warn(_TMA_WARNING, RuntimeWarning, stacklevel=4)
+    if mode == "0" or not tma_usable(tensors):
+        return False
+    if mode == "1":
         return True
-    return mode == "1"
+    return (jvp and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
+            and _hopper(q.device.index))
 
 
 def tma_usable(tensors) -> bool:
