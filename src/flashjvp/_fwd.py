@@ -103,7 +103,7 @@ def _load_kv(src, start_n, stride_n, mask0, mask1, MASK0: tl.constexpr, MASK1: t
 def _fwd_inner(
     acc_o, acc_t, m_i, l_i, r_i, q, tq,
     k_src, v_src, tk_src, tv_src, stride_kn, stride_vn, stride_tkn, stride_tvn,
-    offs_m, offs_n, mask_dqk, mask_dv, lo, hi, N_K, causal_off, scale_log2, scale,
+    rows, offs_n, mask_dqk, mask_dv, lo, hi, N_K, diag, scale_log2, scale,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -131,7 +131,7 @@ def _fwd_inner(
         if MASKED:
             visible = kvalid[None, :]  # (1, BLOCK_N)
             if CAUSAL:
-                visible = visible & (keys[None, :] <= offs_m[:, None] + causal_off)  # (BLOCK_M, BLOCK_N)
+                visible = visible & (keys[None, :] <= rows[:, None] + diag)  # (BLOCK_M, BLOCK_N)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # (BLOCK_M,), log2 units (scale > 0)
         m_use = m_new
@@ -193,7 +193,8 @@ def _attn_fwd_kernel(
     s_tob, s_toh, s_ton = aligned3(s_tob, s_toh, s_ton, ALIGN)
     D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query rows
+    rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows within the block
+    offs_m = m0 + rows  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key offsets within a block
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -243,13 +244,13 @@ def _attn_fwd_kernel(
     else:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
-            causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
+            s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
+            m0 + causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False)
     acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
         acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
-        causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
+        s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
+        m0 + causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
         HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
