@@ -100,6 +100,21 @@ def _load_kv(src, start_n, stride_n, mask0, mask1, MASK0: tl.constexpr, MASK1: t
 
 
 @triton.jit
+def _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
+                    MASKED: tl.constexpr, EVEN_DQK: tl.constexpr, HAS_TQ: tl.constexpr,
+                    HAS_TK: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
+    """tS = tQ.K^T + Q.tK^T for key block ``start_n``: (BLOCK_M, BLOCK_N), like ``s``."""
+    ts = tl.zeros_like(s)
+    if HAS_TQ:
+        ts = tl.dot(tq, k, ts, input_precision=DOT_PREC)
+    if HAS_TK:
+        tk = _load_kv(tk_src, start_n, stride_tkn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
+                      TMA, True)  # (BLOCK_DQK, BLOCK_N)
+        ts = tl.dot(q, tk, ts, input_precision=DOT_PREC)
+    return ts
+
+
+@triton.jit
 def _fwd_inner(
     acc_o, acc_t, m_i, l_i, r_i, q, tq,
     k_src, v_src, tk_src, tv_src, stride_kn, stride_vn, stride_tkn, stride_tvn,
@@ -112,22 +127,20 @@ def _fwd_inner(
     """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality.
     With TMA the K/V sources are tensor descriptors (zero-filled out of bounds), else pointers."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
+    # tS is issued right after S, so that the MMA of E.V overlaps the E * tS arithmetic (Triton
+    # waits for a dot at once unless it only feeds a loop-carried accumulator): 6% faster at
+    # D = 64, 20% with the WS tile at D = 128 (H200). Not for 16-wide head blocks: there Triton
+    # 3.6 compiled that order to an illegal memory access (mqa-d1x3 test, benchmarks/NOTES.md).
+    EARLY_TS: tl.constexpr = q.shape[1] >= 32
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         keys = start_n + offs_n  # (BLOCK_N,)
         kvalid = keys < N_K  # (BLOCK_N,)
         k = _load_kv(k_src, start_n, stride_kn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
                      TMA, True)  # (BLOCK_DQK, BLOCK_N), K transposed
         s = tl.dot(q, k, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N), unscaled logits
-        # tS is issued right after S: the MMA of E.V below then overlaps the E * tS arithmetic
-        # (Triton waits for a dot at once unless it only feeds a loop-carried accumulator).
-        if HAS_TS:
-            ts = tl.zeros_like(s)  # (BLOCK_M, BLOCK_N): tQ.K^T + Q.tK^T
-            if HAS_TQ:
-                ts = tl.dot(tq, k, ts, input_precision=DOT_PREC)
-            if HAS_TK:
-                tk = _load_kv(tk_src, start_n, stride_tkn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
-                              TMA, True)  # (BLOCK_DQK, BLOCK_N)
-                ts = tl.dot(q, tk, ts, input_precision=DOT_PREC)
+        if HAS_TS and EARLY_TS:
+            ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
+                                 MASKED, EVEN_DQK, HAS_TQ, HAS_TK, DOT_PREC, TMA)
         if MASKED:
             visible = kvalid[None, :]  # (1, BLOCK_N)
             if CAUSAL:
@@ -146,6 +159,9 @@ def _fwd_inner(
         if HAS_TS or HAS_TV:
             acc_t = acc_t * alpha[:, None]  # (BLOCK_M, BLOCK_DV)
         if HAS_TS:
+            if not EARLY_TS:
+                ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
+                                     MASKED, EVEN_DQK, HAS_TQ, HAS_TK, DOT_PREC, TMA)
             hs = e * (ts * scale)  # (BLOCK_M, BLOCK_N): E * tS
             r_i = r_i * alpha + tl.sum(hs, 1)
             acc_t = tl.dot(hs.to(v.dtype), v, acc_t, input_precision=DOT_PREC)
