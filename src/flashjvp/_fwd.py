@@ -6,10 +6,10 @@ max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
 
-The ``TMA`` path (``use_tma``, experimental, off by default: it failed GPU correctness tests on
-2026-12-03) moves every tile through tensor descriptors when the strides allow it, and adds
-warp-specialized 4-warp tiles (``WS``: one masked key loop, split by Triton into producer and
-consumer warp groups) to the autotune candidates.
+The ``TMA`` path (``use_tma``: by default 16-bit forward+JVP with head dims >= 128 and >= 1024
+keys on Hopper, where the H200 measured it faster) moves every tile through tensor descriptors
+when the strides allow it, and adds warp-specialized 4-warp tiles (``WS``: one masked key loop,
+split by Triton into a producer and two 64-row consumer partitions) to the autotune candidates.
 """
 
 from __future__ import annotations
@@ -210,6 +210,8 @@ def _attn_fwd_kernel(
     D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     m0 = pid_m * BLOCK_M
     rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows within the block
+    # Not used in the key loop: Triton 3.6's WS partitioner shifts m0 + arange by 64 rows twice in
+    # the second consumer partition; the loop gets `rows` and the scalar m0 + causal_off instead.
     offs_m = m0 + rows  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key offsets within a block
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -291,8 +293,8 @@ def _attn_fwd_kernel(
                      to.to(TO.dtype.element_ty), mask=omask)
     if TMA:
         # Row statistics through a descriptor as well: LSE is then a (B, H, N_Q, 4) float32
-        # buffer holding (lse, mu, 0, 0) per row. On the H200 (Triton 3.6) a plain 1-D store
-        # after the warp-specialized loop with BLOCK_M=128 wrote wrong values (o, to right).
+        # buffer holding (lse, mu, 0, 0) per row, stored at the TMA coordinate m0, which Triton
+        # shifts correctly per WS partition (it shifted offs_m twice: benchmarks/NOTES.md).
         col = tl.arange(0, 4)[None, :]  # (1, 4)
         stats = tl.where(col == 0, lse[:, None], tl.where(col == 1, mu[:, None], 0.0))  # (BLOCK_M, 4)
         _desc(LSE + (b * H_Q + h) * N_Q * 4, N_Q, 4, 4, BLOCK_M, 4).store([m0, 0], stats)
