@@ -52,3 +52,23 @@ def test_tma_tiles_are_warp_specialized(mode):
     tma = int(re.search(r"TMA copies (\d+)", out).group(1))
     setmaxnreg = int(re.search(r"setmaxnreg (\d+)", out).group(1))
     assert tma > 0 and setmaxnreg > 0, out
+
+
+def test_ws_partitions_shift_rows_once(tmp_path):
+    """Triton 3.6 splits the 128-row warp-specialized tile into two 64-row consumer partitions.
+    In the second it rewrote ``m0 + arange(0, 128)`` to ``splat(m0 + 64) + arange(64, 128)``: the
+    offset applied twice, which gave the wrong causal mask (and earlier a wrong lse) on the H200.
+    The kernel must not splat the shifted block start into row-index tensors in any partition."""
+    ttgir = tmp_path / "ws.ttgir"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"DUMP_TTGIR": str(ttgir)}
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/compile_report.py"), "--b", "1", "--h", "2",
+                          "--n", "1024", "--d", "128", "--causal", "--tma", "--ws", "--tile", "128", "64", "4", "2"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    partitions = re.split(r"\n\s*partition\d+\(", ttgir.read_text())[1:]
+    assert len(partitions) >= 2, "the loop was not warp-specialized"
+    for i, text in enumerate(partitions):
+        shifted = re.findall(r"(%\w+) = arith\.addi %m0\w*, %c64_i32\w*", text)
+        for name in shifted:
+            splats = re.findall(rf"tt\.splat {re.escape(name)}\b[^\n]*slice<\{{dim = 1", text)
+            assert not splats, f"partition {i}: m0 + 64 broadcast into row indices: {splats[0][:200]}"
