@@ -4,7 +4,7 @@
 # bench2 (a second benchmark run with $BENCH2_ARGS, environment $BENCH2_ENV, e.g. FLASHJVP_TMA=1),
 # probe (scripts/host_probe.py $PROBE_ARGS: GPU kernel time vs do_bench per call), models (model tests with their peak-memory
 # lines), sweep (scripts/tile_sweep.py $SWEEP_ARGS), demo (examples/meanflow_digits.py, GPU configuration),
-# tmacheck (the experimental TMA path: each tile's error vs float64, then its GPU tests, -v so that a
+# tmacheck (the TMA path: each tile's error vs float64, then its GPU tests, -v so that a
 # run cut by its limit still names each finished test).
 # Limits: TEST_LIMIT, BENCH_LIMIT, BENCH2_LIMIT, PROBE_LIMIT, SWEEP_LIMIT, DEMO_LIMIT seconds; TEST_PATHS picks test files. Logs and results go to $OUT.
 # Wheels in .whl/ (timm, diffusers: versions as in the Makefile) are installed first if present.
@@ -26,7 +26,7 @@ if has tests; then
   pkill -f "pytest" 2>/dev/null; sleep 2  # xdist workers outlive a timed-out controller: keep them off the GPU
 fi
 if has tmacheck; then
-  FLASHJVP_POISON=0 FLASHJVP_TMA=1 timeout ${TMACHECK_LIMIT:-120} python3 scripts/tile_sweep.py --shapes 1,8,1024,128 \
+  FLASHJVP_POISON=0 FLASHJVP_TMA=1 timeout ${TMACHECK_LIMIT:-120} python3 scripts/tile_sweep.py --no-autotune --shapes 1,8,1024,128 1,8,1024,64 \
     --modes fwd_jvp fwd --dtype bfloat16 float16 --check 2>&1 | tee "$OUT/tmacheck.txt"
   FLASHJVP_AUTOTUNE=0 timeout ${TEST_LIMIT:-240} python3 -m pytest tests/test_gpu.py tests/test_forward.py -k tma -v -rfE \
     --tb=short -n 14 -p no:cacheprovider -p no:benchmark 2>&1 | tee "$OUT/tests_tma.log" | grep -E "FAILED|ERROR|passed|failed" | tail -30
