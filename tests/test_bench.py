@@ -92,6 +92,15 @@ def test_report_files(tmp_path):
     assert "| 1 name1 |" in md and "NotImplementedError" in md
 
 
+def test_describe_tiles():
+    configs = {"_attn_fwd_kernel": {"BLOCK_M": 128, "BLOCK_N": 64, "WS": True, "num_warps": 4, "num_stages": 2},
+               "_attn_bwd_dq_kernel": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "num_ctas": 1}}
+    assert bench.describe_tiles(configs) == (
+        "_attn_bwd_dq_kernel: BLOCK_M=64 BLOCK_N=32 num_warps=4 num_stages=2; "
+        "_attn_fwd_kernel: BLOCK_M=128 BLOCK_N=64 WS=True num_warps=4 num_stages=2")
+    assert bench.describe_tiles({}) is None
+
+
 def test_merge_reports(tmp_path):
     """Runs split across GPU sessions: a later measurement wins, a later skip does not."""
     first = [_row("1", "flashjvp", "fwd_jvp", 2.0), _row("5", "flashjvp", "fwd_jvp", 9.0),
@@ -204,6 +213,7 @@ def test_tiny_run_on_cpu(kernel_file, monkeypatch):
         r = got[("t", "flashjvp", mode)]
         assert r.ms == 0.5 and r.peak_mib == 1.0
         assert r.tflops == pytest.approx(shapes[0].flops(mode) / 0.5e9)
+    assert got[("t", "torch-math-jvp", "fwd_jvp")].tiles is None
     assert got[("tq", "torch-math-jvp", "fwd_jvp")].ms == 0.5
     assert got[("t", "kern", "fwd_jvp")].ms == 0.5
     assert "flash_attn is not installed" in got[("t", "kern", "bwd")].skip

@@ -215,3 +215,17 @@ def test_ws_tiles_kept_for_16_bit_tma_only(dtype, monkeypatch):
     kept = _prune_fwd_configs([ws, plain], q, **args, TMA=True)
     assert kept == ([ws, plain] if dtype == torch.bfloat16 else [plain])
     assert _prune_fwd_configs([ws, plain], q, **args, TMA=False) == [plain]
+
+
+def test_last_config_records_the_launched_tile():
+    """launch_tuned records each kernel's tile (the benchmark writes it into its rows)."""
+    from flashjvp import _common
+
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 9, 9, 16, 16, "bhnd", torch.float32, ("contiguous",))
+    _common.last_config.clear()
+    flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    cfg = _common.last_config["_attn_fwd_kernel"]
+    assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= set(cfg), cfg
+    _common.last_config.clear()
+    flashjvp.attention_jvp(q, k, v, tq, tk, tv)  # second call: the cached config, recorded again
+    assert _common.last_config["_attn_fwd_kernel"] == cfg

@@ -47,6 +47,8 @@ def keep_fitting(configs, fits) -> list:
 
 # Configs the autotuner picked, per (kernel, dtype, key values): see launch_tuned.
 _TUNED: dict = {}
+# The config each kernel (by name) was last launched with; the benchmark records it per row.
+last_config: dict[str, dict] = {}
 
 
 def launch_tuned(kernel, grid, *args, **kwargs) -> None:
@@ -63,8 +65,9 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
     config = _TUNED.get(key)
     if config is None:
         kernel[grid](*args, **kwargs)
-        _TUNED[key] = kernel.best_config.all_kwargs()
+        _TUNED[key] = last_config[kernel.base_fn.__name__] = kernel.best_config.all_kwargs()
         return
+    last_config[kernel.base_fn.__name__] = config
     # The kernel's @triton.heuristics read keyword arguments only; evaluated here on ``kwargs``
     # instead of Triton's dict of all ~70 arguments per heuristic.
     heuristics = kernel.fn

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from flashjvp import _common
+
 MODES = ("fwd", "fwd_jvp", "bwd", "scm")
 RUN_ORDER = ("fwd_jvp", "scm", "fwd", "bwd")  # so a --time-limit cuts the least central modes
 BUILTIN_PROVIDERS = ("flashjvp", "torch-flash", "torch-cudnn", "torch-math-jvp", "jvp-flash-attention")
@@ -115,6 +117,7 @@ class Row:
     peak_mib: float | None = None
     skip: str | None = None
     first_call_s: float | None = None
+    tiles: str | None = None  # flashjvp's kernels: the tile each launched with (autotuner's pick)
 
 
 @dataclass
@@ -328,6 +331,14 @@ def _reason(e: BaseException, caught) -> str:
     return text[:400]
 
 
+def describe_tiles(configs: dict[str, dict]) -> str | None:
+    """``kernel: BLOCK_M=.. BLOCK_N=.. [WS=True] num_warps=.. num_stages=..`` per launched kernel."""
+    keys = ("BLOCK_M", "BLOCK_N", "WS", "num_warps", "num_stages")
+    parts = [f"{name}: " + " ".join(f"{k}={c[k]}" for k in keys if k in c and (k != "WS" or c[k]))
+             for name, c in sorted(configs.items())]
+    return "; ".join(parts) or None
+
+
 def run_one(p: Provider, mode: str, x: Inputs, quick: bool) -> Row:
     """Measure one (shape, provider, mode); any exception becomes a skipped row."""
     s = x.s
@@ -340,7 +351,9 @@ def run_one(p: Provider, mode: str, x: Inputs, quick: bool) -> Row:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 fn, leaves = build(p, mode, x)
+                _common.last_config.clear()
                 row.ms, row.peak_mib, row.first_call_s = measure(fn, leaves, quick)
+                row.tiles = describe_tiles(_common.last_config)
             row.tflops = s.flops(mode) / row.ms / 1e9
     except Exception as e:  # noqa: BLE001 - recorded as a skip, the run goes on
         row.skip = _reason(e, caught)
