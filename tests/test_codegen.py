@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton.backends.nvidia") is None, reason="Triton without its CUDA backend")
 
 
-def compile_report(*args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def compile_report(*args: str, **extra_env: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | extra_env
     res = subprocess.run([sys.executable, str(ROOT / "scripts/compile_report.py"), *args],
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -60,11 +60,8 @@ def test_ws_partitions_shift_rows_once(tmp_path):
     offset applied twice, which gave the wrong causal mask (and earlier a wrong lse) on the H200.
     The kernel must not splat the shifted block start into row-index tensors in any partition."""
     ttgir = tmp_path / "ws.ttgir"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"DUMP_TTGIR": str(ttgir)}
-    res = subprocess.run([sys.executable, str(ROOT / "scripts/compile_report.py"), "--b", "1", "--h", "2",
-                          "--n", "1024", "--d", "128", "--causal", "--tma", "--ws", "--tile", "128", "64", "4", "2"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    compile_report("--b", "1", "--h", "2", "--n", "1024", "--d", "128", "--causal", "--tma", "--ws",
+                   "--tile", "128", "64", "4", "2", DUMP_TTGIR=str(ttgir))
     partitions = re.split(r"\n\s*partition\d+\(", ttgir.read_text())[1:]
     assert len(partitions) >= 2, "the loop was not warp-specialized"
     for i, text in enumerate(partitions):
