@@ -217,6 +217,36 @@ def test_ws_tiles_kept_for_16_bit_tma_only(dtype, monkeypatch):
     assert _prune_fwd_configs([ws, plain], q, **args, TMA=False) == [plain]
 
 
+@pytest.mark.parametrize(("dtype", "d", "tma", "tangents", "expected"), [
+    (torch.bfloat16, 64, False, True, "d64-list"),
+    (torch.float16, 64, False, True, "d64-list"),
+    (torch.float32, 64, False, True, "general"),
+    (torch.bfloat16, 64, False, False, "general"),
+    (torch.bfloat16, 128, False, True, "general"),
+    (torch.bfloat16, 64, True, True, "general"),
+], ids=["bf16-d64-jvp", "fp16-d64-jvp", "fp32-d64-jvp", "bf16-d64-fwd", "bf16-d128-jvp", "bf16-d64-jvp-tma"])
+def test_d64_jvp_tiles(dtype, d, tma, tangents, expected, monkeypatch):
+    """16-bit forward+JVP at head dim 64 (pointer path) autotunes over its own short list, which
+    alone admits 128x128 tiles with tangents; every other case keeps BLOCK_N <= 64 with tangents."""
+    import triton
+
+    from flashjvp._fwd import _FWD_JVP_D64_TILES, _FWD_TILES, _prune_fwd_configs
+
+    monkeypatch.setenv("FLASHJVP_AUTOTUNE", "1")
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=w, num_stages=st)
+               for bm, bn, w, st in _FWD_TILES]  # the GPU list (the interpreter's has one tile)
+    args = dict(BLOCK_DQK=d, BLOCK_DV=d, HAS_TQ=tangents, HAS_TK=tangents, HAS_TV=tangents, TMA=tma)
+    kept = _prune_fwd_configs(configs, {"Q": torch.zeros(1, dtype=dtype)}, **args)
+    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept
+             if not c.kwargs["WS"]]
+    if expected == "d64-list":
+        assert tiles == _FWD_JVP_D64_TILES, f"kept {tiles}"
+    else:
+        assert tiles and tiles != _FWD_JVP_D64_TILES, f"kept {tiles}"
+        if tangents:
+            assert all(bn <= 64 for _, bn, _, _ in tiles), f"kept {tiles}"
+
+
 def test_last_config_records_the_launched_tile():
     """launch_tuned records each kernel's tile (the benchmark writes it into its rows)."""
     from flashjvp import _common

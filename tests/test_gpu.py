@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashjvp
-from flashjvp._fwd import _FWD_WS_TILES
+from flashjvp._fwd import _FWD_JVP_D64_TILES, _FWD_WS_TILES
 from flashjvp._fwd import launches as fwd_launches
 from helpers import DTYPE_IDS, assert_close, force_fwd_tile, grad_refs, jvp_refs, make_qkv
 
@@ -107,6 +107,24 @@ def test_tma_tiles_full_size(tile, dtype, monkeypatch):
     """Every warp-specialized tile of the autotune list (and the TMA path without WS)."""
     force_fwd_tile(monkeypatch, ws=tile is not None, tma="1", tile=tile or (128, 32, 8, 3))
     _tma_case((1, 8, 2, 777, 1333, 128, 128, "bottom_right"), "qkv", "bnhd", dtype)
+
+
+@pytest.mark.parametrize("dtype", DT[:2])
+@pytest.mark.parametrize("case", [
+    pytest.param((1, 8, 2, 777, 1333, 64, 64, "bottom_right"), id="gqa4-777x1333-br"),
+    pytest.param((2, 4, 4, 1000, 1000, 64, 64, "top_left"), id="sa1000-causal"),
+    pytest.param((1, 4, 4, 515, 999, 64, 64, False), id="ca515x999"),
+])
+@pytest.mark.parametrize("tile", [pytest.param(t, id="{}x{}-w{}-s{}".format(*t)) for t in _FWD_JVP_D64_TILES])
+def test_d64_jvp_tiles_full_size(tile, case, dtype, monkeypatch):
+    """Every tile of the head-dim-64 forward+JVP list (the tests otherwise run its first)."""
+    force_fwd_tile(monkeypatch, ws=False, tma="0", tile=tile)
+    *shape, causal = case
+    q, k, v, tq, tk, tv = make_qkv(*shape, "bnhd", dtype)
+    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout="bnhd", return_lse=True)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout="bnhd")
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
+        assert_close(name, got, ref, ref_lp, dtype)
 
 
 @pytest.mark.parametrize(("d", "n_k", "tangents", "dtype", "expected"),

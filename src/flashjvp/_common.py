@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
@@ -96,13 +97,14 @@ def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int) -> bool:
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
-    q = tensors[0]
-    if mode == "0" or not tma_usable(tensors):
+    if mode == "0":
         return False
-    if mode == "1":
-        return True
-    return (jvp and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
-            and _hopper(q.device.index))
+    if mode == "auto":  # the cheap tests first: tma_usable costs ~10 us of host time per call
+        q = tensors[0]
+        if not (jvp and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
+                and _hopper(q.device.index)):
+            return False
+    return tma_usable(tensors)
 
 
 def tma_usable(tensors) -> bool:
@@ -155,8 +157,10 @@ def vector_align(strides, *dims: int) -> int:
     multiple of 8 elements, else 1. Passed to the kernels as ``ALIGN``: Triton only infers
     that an integer argument is a multiple of 16, so D = 40, 72 or 136 and their strides would
     otherwise compile to one 2-byte load per element instead of 16-byte vectors."""
-    ok = all(s % 8 == 0 for st in strides for s in st[:3]) and all(d % 8 == 0 for d in dims)
-    return 8 if ok else 1
+    g = math.gcd(*dims)  # gcds, not a generator over ~30 values: small shapes are launch-bound
+    for st in strides:
+        g = math.gcd(g, st[0], st[1], st[2])
+    return 8 if g % 8 == 0 else 1
 
 
 def strides_bhnd(x: torch.Tensor | None, layout: str) -> tuple[int, int, int, int]:

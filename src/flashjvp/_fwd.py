@@ -46,6 +46,11 @@ from flashjvp._validate import AttnArgs
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default of the pointer path.
 _FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4),
               (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1)]
+# Forward+JVP of 16-bit inputs at head dim 64 on the pointer path: only these (the H200's three
+# fastest at B4 H32 N4096 D64, causal or not; the autotuner ranked a 4.5% slower tile first when
+# given all of them: benchmarks/NOTES.md). 128x128 is kept to this case: elsewhere with tangents
+# its fp32 tiles do not fit in registers.
+_FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
 # Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
 # 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py).
 # BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check).
@@ -63,9 +68,12 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
     elt = args["Q"].element_size()
     n_tan_kv = int(args["HAS_TK"]) * dqk + int(args["HAS_TV"]) * dv
     jvp = args["HAS_TQ"] or args["HAS_TK"] or args["HAS_TV"]
+    d64_jvp = jvp and elt == 2 and dqk == dv == 64 and not args["TMA"]
 
     def fits(c):
         bm, bn, ws = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["WS"]
+        if d64_jvp:
+            return (bm, bn, c.num_warps, c.num_stages) in _FWD_JVP_D64_TILES
         if ws and not (args["TMA"] and elt == 2):
             # float32 WS tiles compile without wgmma or specialization, 32 registers and ~190 KB of
             # spills on sm_90a (scripts/compile_report.py --dtype fp32 --tma --ws)
