@@ -115,11 +115,15 @@ def test_tma_tiles_full_size(tile, dtype, monkeypatch):
     pytest.param((2, 4, 4, 1000, 1000, 64, 64, "top_left"), id="sa1000-causal"),
     pytest.param((1, 4, 4, 515, 999, 64, 64, False), id="ca515x999"),
 ])
-@pytest.mark.parametrize("tile", [pytest.param(t, id="{}x{}-w{}-s{}".format(*t)) for t in _FWD_JVP_D64_TILES])
-def test_d64_jvp_tiles_full_size(tile, case, dtype, monkeypatch):
-    """Every tile of the head-dim-64 forward+JVP list (the tests otherwise run its first)."""
+@pytest.mark.parametrize("tile", [pytest.param(t, id="{}x{}-w{}-s{}".format(*t)) for t in _FWD_JVP_D64_TILES]
+                         + [pytest.param((128, 64, 8, 2), id="d128-128x64-w8-s2")])
+def test_pointer_tiles_full_size(tile, case, dtype, monkeypatch):
+    """Every tile of the head-dim-64 forward+JVP list (the tests otherwise run its first), and
+    the pointer path's 128x64 8-warp 2-stage tile at head dim 128 (7b's pick)."""
     force_fwd_tile(monkeypatch, ws=False, tma="0", tile=tile)
     *shape, causal = case
+    if tile[2:] == (8, 2) and tile[1] == 64:
+        shape[5:7] = [128, 128]
     q, k, v, tq, tk, tv = make_qkv(*shape, "bnhd", dtype)
     out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout="bnhd", return_lse=True)
     truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout="bnhd")

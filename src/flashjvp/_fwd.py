@@ -44,8 +44,11 @@ from flashjvp._common import (
 from flashjvp._validate import AttnArgs
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default of the pointer path.
-_FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 4, 3), (64, 32, 4, 4),
-              (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2), (32, 16, 4, 1)]
+# (128, 64, 8, 2): 2.15 ms against 2.32 for the next best at B1 H40 Nq32760 Nk512 D128 with all
+# tangents (H200, pointer path; 128x64 w8 s3 does not fit in shared memory at D = 128).
+_FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (128, 64, 4, 3),
+              (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),
+              (32, 16, 4, 1)]
 # Forward+JVP of 16-bit inputs at head dim 64 on the pointer path: only these (the H200's three
 # fastest at B4 H32 N4096 D64, causal or not; the autotuner ranked a 4.5% slower tile first when
 # given all of them: benchmarks/NOTES.md). 128x128 is kept to this case: elsewhere with tangents
