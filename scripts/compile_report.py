@@ -6,7 +6,7 @@ GPU time is scarce; register spills and scalar (2-byte) loads are visible here f
 Tensors are CPU tensors; every Triton launch is intercepted, compiled for the target and skipped.
 
     python scripts/compile_report.py --b 8 --h 16 --n 1024 --d 72 [--mode fwd_jvp|fwd|bwd]
-        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]]
+        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]] [--tangents q]
 
 ``DUMP_PTX=FILE`` / ``DUMP_TTGIR=FILE`` write the (last) kernel's PTX / TritonGPU IR.
 """
@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--mode", default="fwd_jvp", choices=["fwd", "fwd_jvp", "bwd"])
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--tangents", default="qkv", choices=["qkv", "q"], help="fwd_jvp: all tangents or tq only")
     ap.add_argument("--tile", type=int, nargs=4, metavar=("BM", "BN", "WARPS", "STAGES"),
                     help="one tile to compile (default: each kernel's default tile)")
     ap.add_argument("--tma", action="store_true", help="forward: the tensor-descriptor path (FLASHJVP_TMA=1)")
@@ -110,8 +111,9 @@ def main() -> None:
         _bwd.attn_bwd(t(dv), q, k, v, t(dv), lse, a)
     else:
         jvp = args.mode == "fwd_jvp"
-        _fwd.attn_fwd(q, k, v, t(args.d) if jvp else None, t(args.d) if jvp else None,
-                      t(dv) if jvp else None, a)
+        tkv = jvp and args.tangents == "qkv"
+        _fwd.attn_fwd(q, k, v, t(args.d) if jvp else None, t(args.d) if tkv else None,
+                      t(dv) if tkv else None, a)
     print("\n".join(reports))
 
 
