@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+from tile_sweep import _force  # scripts/: on sys.path when this file runs as a script
 
 import flashjvp
-from flashjvp import _common, _fwd
 
 
 @triton.jit
@@ -67,11 +67,7 @@ def products(x, out, jvp, bm, bn, warps, stages):
 
 def flashjvp_tile(x, jvp, bm, bn, warps, stages):
     """flashjvp's forward (+JVP) forced to one tile."""
-    cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=warps, num_stages=stages)
-    kernel = _fwd._attn_fwd_kernel
-    kernel.configs = [cfg]
-    kernel.cache.clear()
-    _common._TUNED.clear()
+    _force([triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=warps, num_stages=stages)])
     return (lambda: flashjvp.attention_jvp(*x)) if jvp else (lambda: flashjvp.attention(*x[:3]))
 
 

@@ -41,16 +41,20 @@ BWD_MATRIX = [
 ]
 
 
+def _check_jvp(q, k, v, tq, tk, tv, causal, layout, dtype):
+    """o, to, lse and mu of one forward+JVP call against the float64 reference."""
+    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout, return_lse=True)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout=layout)
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
+        assert_close(name, got, ref, ref_lp, dtype)
+
+
 @pytest.mark.parametrize("dtype", DT)
 @pytest.mark.parametrize("case", JVP_MATRIX)
 def test_jvp_full_size(case, dtype):
     *shape, causal = case
     layout = "bnhd" if shape[3] % 2 else "bhnd"
-    q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype)
-    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout, return_lse=True)
-    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout=layout)
-    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
-        assert_close(name, got, ref, ref_lp, dtype)
+    _check_jvp(*make_qkv(*shape, layout, dtype), causal, layout, dtype)
 
 
 @pytest.mark.parametrize("dtype", DT)
@@ -86,11 +90,8 @@ def _tma_case(case, given, layout, dtype):
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype, kinds=("contiguous", "swapped"))
     tk, tv = (tk, tv) if given == "qkv" else (None, None)
     before = fwd_launches["tma"]
-    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout, return_lse=True)
+    _check_jvp(q, k, v, tq, tk, tv, causal, layout, dtype)
     assert fwd_launches["tma"] == before + 1, "the TMA path did not run"
-    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout=layout)
-    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
-        assert_close(name, got, ref, ref_lp, dtype)
 
 
 @pytest.mark.parametrize("dtype", DT)
@@ -110,25 +111,19 @@ def test_tma_tiles_full_size(tile, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DT[:2])
-@pytest.mark.parametrize("case", [
-    pytest.param((1, 8, 2, 777, 1333, 64, 64, "bottom_right"), id="gqa4-777x1333-br"),
-    pytest.param((2, 4, 4, 1000, 1000, 64, 64, "top_left"), id="sa1000-causal"),
-    pytest.param((1, 4, 4, 515, 999, 64, 64, False), id="ca515x999"),
+@pytest.mark.parametrize("case", [  # (B, Hq, Hkv, Nq, Nk, causal); the head dim comes with the tile
+    pytest.param((1, 8, 2, 777, 1333, "bottom_right"), id="gqa4-777x1333-br"),
+    pytest.param((2, 4, 4, 1000, 1000, "top_left"), id="sa1000-causal"),
+    pytest.param((1, 4, 4, 515, 999, False), id="ca515x999"),
 ])
-@pytest.mark.parametrize("tile", [pytest.param(t, id="{}x{}-w{}-s{}".format(*t)) for t in _FWD_JVP_D64_TILES]
-                         + [pytest.param((128, 64, 8, 2), id="d128-128x64-w8-s2")])
-def test_pointer_tiles_full_size(tile, case, dtype, monkeypatch):
+@pytest.mark.parametrize(("tile", "d"), [pytest.param(t, 64, id="{}x{}-w{}-s{}".format(*t)) for t in _FWD_JVP_D64_TILES]
+                         + [pytest.param((128, 64, 8, 2), 128, id="d128-128x64-w8-s2")])
+def test_pointer_tiles_full_size(tile, d, case, dtype, monkeypatch):
     """Every tile of the head-dim-64 forward+JVP list (the tests otherwise run its first), and
     the pointer path's 128x64 8-warp 2-stage tile at head dim 128 (7b's pick)."""
     force_fwd_tile(monkeypatch, ws=False, tma="0", tile=tile)
     *shape, causal = case
-    if tile[2:] == (8, 2) and tile[1] == 64:
-        shape[5:7] = [128, 128]
-    q, k, v, tq, tk, tv = make_qkv(*shape, "bnhd", dtype)
-    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout="bnhd", return_lse=True)
-    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout="bnhd")
-    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
-        assert_close(name, got, ref, ref_lp, dtype)
+    _check_jvp(*make_qkv(*shape, d, d, "bnhd", dtype), causal, "bnhd", dtype)
 
 
 @pytest.mark.parametrize(("d", "n_k", "tangents", "dtype", "expected"),

@@ -1,16 +1,19 @@
 """Pointer-path tiles at the video cross-attention shape (B1 H40 Nq32760 Nk512 D128), all tangents / tq only."""
 import os
+import sys
 
 import torch
 import triton
 import triton.testing
 
 import flashjvp
-from flashjvp import _common, _fwd
+from flashjvp import _fwd
+
+sys.path.insert(0, "scripts")
+from tile_sweep import _force  # noqa: E402
 
 os.environ["FLASHJVP_TMA"] = "0"
-K = _fwd._attn_fwd_kernel
-FULL = list(K.configs)
+FULL = list(_fwd._attn_fwd_kernel.configs)
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
 x = [torch.randn(1, 40, n, 128, device="cuda", dtype=torch.bfloat16) for n in (32760, 512, 512, 32760, 512, 512)]
 for label, args in (("qkv", x), ("q", x[:4])):
@@ -18,13 +21,11 @@ for label, args in (("qkv", x), ("q", x[:4])):
     for t in [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3),
               (128, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (128, 64, 8, 3)]:
         c = triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "WS": False}, num_warps=t[2], num_stages=t[3])
-        K.configs = [c]
-        K.cache.clear()
-        _common._TUNED.clear()
+        _force([c])
         try:
             fn()
             ms = triton.testing.do_bench(fn, return_mode="median")
             print(f"{label} {t}: {ms:.4f} ms", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"{label} {t}: {type(e).__name__} {str(e)[:90]}", flush=True)
-K.configs = FULL
+_force(FULL)
