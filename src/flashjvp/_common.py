@@ -99,7 +99,7 @@ def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int) -> bool:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
     if mode == "0":
         return False
-    if mode == "auto":  # the cheap tests first: tma_usable costs ~10 us of host time per call
+    if mode == "auto":  # the cheap tests first: tma_usable reads every tensor's strides (host time)
         q = tensors[0]
         if not (jvp and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
                 and _hopper(q.device.index)):
