@@ -128,6 +128,17 @@ def ensure_tma_allocator() -> None:
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def program_slots(x: torch.Tensor) -> int:
+    """Programs of a persistent grid: one per SM of ``x``'s GPU (3 in the interpreter, so that
+    the CPU tests walk several tiles per program)."""
+    return _sm_count(x.device.index) if x.is_cuda else 3
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()  # triton.next_power_of_2 costs ~4 us a call
 

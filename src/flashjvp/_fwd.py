@@ -14,6 +14,8 @@ split by Triton into a producer and two 64-row consumer partitions) to the autot
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +38,7 @@ from flashjvp._common import (
     load_tile,
     lse_buffer,
     new_buffer,
+    program_slots,
     strides_bhnd,
     tile_configs,
     use_tma,
@@ -54,6 +57,7 @@ _FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
 # given all of them: benchmarks/NOTES.md). 128x128 is kept to this case: elsewhere with tangents
 # its fp32 tiles do not fit in registers.
 _FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
+_MAX_BLOCK_N = max(t[1] for t in _FWD_TILES)  # KEY_TAIL: N_K is not a multiple of every BLOCK_N
 # Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
 # 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py).
 # BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check).
@@ -184,29 +188,23 @@ def _fwd_inner(
     return acc_o, acc_t, m_i, l_i, r_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
-                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA"],
-                 prune_configs_by={"early_config_prune": _prune_fwd_configs})
-@triton.heuristics({
-    "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
-    "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
-})
 @triton.jit
-def _attn_fwd_kernel(
+def _fwd_tile(
+    pid_m, h, b,
     Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
     s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
-    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
+    CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WS: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    """One (batch ``b``, query head ``h``, query row block ``pid_m``) tile: the whole key loop
+    and the epilogue."""
+    b = b.to(tl.int64)
     h_kv = (h // GROUPS).to(tl.int64)
     h = h.to(tl.int64)
     # Multiples of ALIGN (vector_align): 16-byte loads and stores also for D = 40, 72, ...
@@ -267,6 +265,8 @@ def _attn_fwd_kernel(
     # Key blocks every row of this block sees completely run unmasked; the rest are masked.
     # A warp-specialized loop must be the kernel's only loop (Triton 3.6 fails to compile a
     # second one after it): then one loop runs over all blocks, masking each.
+    # Without causality or a partial last key block (KEY_TAIL) only the unmasked loop exists:
+    # one inner loop, which Triton can flatten into the persistent loop.
     full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     if WS:
         full_end = 0
@@ -276,11 +276,12 @@ def _attn_fwd_kernel(
             s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
             m0 + causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False)
-    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-        s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
-        m0 + causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
-        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
+    if WS or CAUSAL or KEY_TAIL:
+        acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+            acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+            s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
+            m0 + causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -316,6 +317,52 @@ def _attn_fwd_kernel(
             tl.store(MU + row, mu, mask=mask_m)
 
 
+@triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
+                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA",
+                                           "PERSISTENT"],
+                 prune_configs_by={"early_config_prune": _prune_fwd_configs})
+@triton.heuristics({
+    "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
+    "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
+})
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
+    s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+    s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
+    s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
+    BATCH, H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
+    STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
+    EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PERSISTENT: tl.constexpr, WS: tl.constexpr,
+):
+    if PERSISTENT:  # a grid of about one program per SM, each walking tiles (row blocks fastest)
+        n_mb = tl.cdiv(N_Q, BLOCK_M)
+        n_tiles = n_mb * H_Q * BATCH
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
+            _fwd_tile(
+                tile % n_mb, (tile // n_mb) % H_Q, tile // (n_mb * H_Q),
+                Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
+                s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+                s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
+                s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
+                H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
+                D_QK, D_V, BLOCK_DQK, BLOCK_DV, CAUSAL, KEY_TAIL, HAS_TQ, HAS_TK, HAS_TV, STORE_MU, DOT_PREC, ALIGN,
+                TMA, EVEN_DQK, EVEN_DV, BLOCK_M, BLOCK_N, WS)
+    else:
+        _fwd_tile(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2),
+            Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
+            s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+            s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
+            s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
+            H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
+            D_QK, D_V, BLOCK_DQK, BLOCK_DV, CAUSAL, KEY_TAIL, HAS_TQ, HAS_TK, HAS_TV, STORE_MU, DOT_PREC, ALIGN,
+            TMA, EVEN_DQK, EVEN_DV, BLOCK_M, BLOCK_N, WS)
+
+
 # Launch counters: tests use them to prove that o and to come from one launch, and which path ran.
 launches = {"fwd": 0, "tma": 0}
 
@@ -336,21 +383,28 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     tma = use_tma((q, k, v, tq, tk, tv, o, to), jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k)
     if tma and q.is_cuda:
         ensure_tma_allocator()
+    persistent = int(os.environ.get("FLASHJVP_PERSISTENT", "0"))
     # the TMA path writes (lse, mu, 0, 0) rows into one buffer, copied out below
     stats = new_buffer((a.batch, a.h_q, a.n_q, 4), torch.float32, q.device) if tma else None
-    grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
+
+    def grid(meta):
+        n_mb = triton.cdiv(a.n_q, meta["BLOCK_M"])
+        if meta["PERSISTENT"]:
+            return (min(n_mb * a.h_q * a.batch, program_slots(q)),)
+        return (n_mb, a.h_q, a.batch)
     with launch_device(q):
         launch_tuned(
             _attn_fwd_kernel, grid,
             q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
             o, o if to is None else to, *((stats, stats) if tma else (lse, lse if mu is None else mu)),
             *[s for st in strides for s in st],
-            a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
+            a.batch, a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
-            CAUSAL=a.causal is not None, HAS_TQ=tq is not None, HAS_TK=tk is not None,
-            HAS_TV=tv is not None, STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
-            ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
+            CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % _MAX_BLOCK_N != 0,
+            HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
+            STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
+            ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma, PERSISTENT=persistent,
         )
         if tma:
             lse.copy_(stats[..., 0])
