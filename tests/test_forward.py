@@ -247,6 +247,21 @@ def test_d64_jvp_tiles(dtype, d, tma, tangents, expected, monkeypatch):
             assert all(bn <= 64 for _, bn, _, _ in tiles), f"kept {tiles}"
 
 
+@pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "causal"])
+@pytest.mark.parametrize("n_k", [128, 37], ids=["nk128", "nk37-tail"])
+@pytest.mark.parametrize("persistent", [1, 2], ids=["loop", "flat"])
+def test_persistent_grid_matches_reference(persistent, n_k, causal, monkeypatch):
+    """The persistent grid (fewer programs than tiles: each program walks several (batch, head,
+    row block) tiles; flattened where only one key loop exists) computes every output row."""
+    force_fwd_tile(monkeypatch, ws=False, tma="0", persistent=persistent)
+    q, k, v, tq, tk, tv = make_qkv(2, 3, 1, 70, n_k, 24, 24, "bnhd", torch.float32,
+                                   ("contiguous", "strided", "swapped", "sliced"))
+    got = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout="bnhd", return_lse=True)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout="bnhd")
+    for name, x, ref, ref_lp in zip(("o", "to", "lse", "mu"), got, truth, lowp):
+        assert_close(name, x, ref, ref_lp, torch.float32)
+
+
 def test_last_config_records_the_launched_tile():
     """launch_tuned records each kernel's tile (the benchmark writes it into its rows)."""
     from flashjvp import _common

@@ -1,4 +1,4 @@
-"""Persistent forward+JVP grid (FLASHJVP_PERSISTENT: 0 one program per tile, 1 about one program
+"""Persistent forward+JVP grid (config flag PERSISTENT: 0 one program per tile, 1 about one program
 per SM walking tiles, 2 the same with the loop nest flattened for Triton's pipeliner), tiles
 forced, against the one-program-per-tile result. Run from the repo root with PYTHONPATH=src."""
 import os
@@ -20,11 +20,11 @@ d64 = [torch.randn(4, 32, 4096, 64, device="cuda", dtype=torch.bfloat16) for _ i
 cases = [("xattn q", xa[:4], (128, 64, 8, 2), "012"), ("xattn q", xa[:4], (128, 64, 8, 3), "01"),
          ("xattn qkv", xa, (128, 64, 8, 2), "01"), ("d64 qkv", d64, (128, 128, 8, 2), "012")]
 for label, args, t, modes in cases:
-    _force([triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "WS": False}, num_warps=t[2], num_stages=t[3])])
     fn = lambda args=args: flashjvp.attention_jvp(*args)  # noqa: E731
     base = None
     for mode in modes:
-        os.environ["FLASHJVP_PERSISTENT"] = mode
+        _force([triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "WS": False, "PERSISTENT": int(mode)},
+                              num_warps=t[2], num_stages=t[3])])
         try:
             o, to = fn()
             torch.cuda.synchronize()

@@ -14,8 +14,6 @@ split by Triton into a producer and two 64-row consumer partitions) to the autot
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -318,8 +316,7 @@ def _fwd_tile(
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
-                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA",
-                                           "PERSISTENT"],
+                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA"],
                  prune_configs_by={"early_config_prune": _prune_fwd_configs})
 @triton.heuristics({
     "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
@@ -336,7 +333,7 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PERSISTENT: tl.constexpr, WS: tl.constexpr,
+    WS: tl.constexpr, PERSISTENT: tl.constexpr = 0,
 ):
     if PERSISTENT:  # a grid of about one program per SM, each walking tiles (row blocks fastest)
         n_mb = tl.cdiv(N_Q, BLOCK_M)
@@ -383,13 +380,12 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     tma = use_tma((q, k, v, tq, tk, tv, o, to), jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k)
     if tma and q.is_cuda:
         ensure_tma_allocator()
-    persistent = int(os.environ.get("FLASHJVP_PERSISTENT", "0"))
     # the TMA path writes (lse, mu, 0, 0) rows into one buffer, copied out below
     stats = new_buffer((a.batch, a.h_q, a.n_q, 4), torch.float32, q.device) if tma else None
 
     def grid(meta):
         n_mb = triton.cdiv(a.n_q, meta["BLOCK_M"])
-        if meta["PERSISTENT"]:
+        if meta.get("PERSISTENT", 0):
             return (min(n_mb * a.h_q * a.batch, program_slots(q)),)
         return (n_mb, a.h_q, a.batch)
     with launch_device(q):
@@ -404,7 +400,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % _MAX_BLOCK_N != 0,
             HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
             STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
-            ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma, PERSISTENT=persistent,
+            ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
         )
         if tma:
             lse.copy_(stats[..., 0])
