@@ -247,6 +247,33 @@ def test_d64_jvp_tiles(dtype, d, tma, tangents, expected, monkeypatch):
             assert all(bn <= 64 for _, bn, _, _ in tiles), f"kept {tiles}"
 
 
+@pytest.mark.parametrize(("case", "kept"), [
+    ({}, True),
+    ({"HAS_TK": True, "HAS_TV": True}, False),  # its doubled q/tq tiles and tK/tV exceed shared memory
+    ({"CAUSAL": True}, False),
+    ({"KEY_TAIL": True}, False),
+    ({"TMA": True}, False),
+    ({"dtype": torch.float32}, False),
+    ({"HAS_TQ": False}, False),
+], ids=["tq-only", "all-tangents", "causal", "key-tail", "tma", "fp32", "no-tangents"])
+def test_persistent_tiles_pruned(case, kept, monkeypatch):
+    """The persistent (flattened) tile is an autotune candidate only where the key loop is one
+    unmasked loop and its buffers fit: 16-bit forward+JVP without causality or a partial key block."""
+    import triton
+
+    from flashjvp._fwd import _FWD_PERSISTENT_TILES, _prune_fwd_configs
+
+    monkeypatch.setenv("FLASHJVP_AUTOTUNE", "1")
+    bm, bn, w, st = _FWD_PERSISTENT_TILES[0]
+    config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False, "PERSISTENT": 2}, num_warps=w, num_stages=st)
+    fallback = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "WS": False}, num_warps=4, num_stages=1)
+    args = dict(BLOCK_DQK=128, BLOCK_DV=128, HAS_TQ=True, HAS_TK=False, HAS_TV=False, CAUSAL=False,
+                KEY_TAIL=False, TMA=False)
+    dtype = case.pop("dtype", torch.bfloat16)
+    got = _prune_fwd_configs([config, fallback], {"Q": torch.zeros(1, dtype=dtype)}, **{**args, **case})
+    assert (config in got) == kept, f"kept {got}"
+
+
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "causal"])
 @pytest.mark.parametrize("n_k", [128, 37], ids=["nk128", "nk37-tail"])
 @pytest.mark.parametrize("persistent", [1, 2], ids=["loop", "flat"])

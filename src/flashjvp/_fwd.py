@@ -62,7 +62,14 @@ _MAX_BLOCK_N = max(t[1] for t in _FWD_TILES)  # KEY_TAIL: N_K is not a multiple 
 _FWD_WS_TILES = [(128, 64, 4, 2), (64, 64, 4, 2)]
 # Listed first, so that with FLASHJVP_AUTOTUNE=0 the TMA path runs one of them; the prune drops
 # them without TMA, and its fallback (the last config) is a plain tile.
-_FWD_CONFIGS = ([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
+# Persistent grid (PERSISTENT=2): about one program per SM walks the (batch, head, row block)
+# tiles, its key loop flattened with theirs, so that Triton's pipeliner fetches the next tile's
+# first K/V blocks during the current tile's last products. For short key loops (cross-attention
+# to 512 text tokens: 8 key blocks per tile), where each tile's start and end are not hidden
+# by another program's products at one program per SM.
+_FWD_PERSISTENT_TILES = [(128, 64, 8, 2)]
+_FWD_CONFIGS = (([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
+                + ([] if interpreting() else tile_configs(_FWD_PERSISTENT_TILES, WS=False, PERSISTENT=2)))
 
 
 def _prune_fwd_configs(configs, named_args, **kwargs):
@@ -77,13 +84,18 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
 
     def fits(c):
         bm, bn, ws = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["WS"]
-        if d64_jvp:
+        persistent = c.kwargs.get("PERSISTENT", 0)
+        if persistent and not (jvp and elt == 2 and not (args["CAUSAL"] or args["KEY_TAIL"] or args["TMA"])):
+            return False  # one key loop to flatten: no causal mask, no partial key block
+        if d64_jvp and not persistent:
             return (bm, bn, c.num_warps, c.num_stages) in _FWD_JVP_D64_TILES
         if ws and not (args["TMA"] and elt == 2):
             # float32 WS tiles compile without wgmma or specialization, 32 registers and ~190 KB of
             # spills on sm_90a (scripts/compile_report.py --dtype fp32 --tma --ws)
             return False
-        smem = c.num_stages * bn * (dqk + dv + n_tan_kv) * elt + bm * dqk * elt * (2 if jvp else 1)
+        # q (and tq) tiles: twice when flattened (the next tile's are loaded ahead)
+        q_tiles = (2 if jvp else 1) * (2 if persistent else 1)
+        smem = c.num_stages * bn * (dqk + dv + n_tan_kv) * elt + bm * dqk * elt * q_tiles
         acc_regs = bm * dv * (2 if jvp else 1) // (32 * c.num_warps)  # fp32 accumulators per thread
         # warp-specialized consumers get more registers (setmaxnreg): allow twice as many
         return smem <= 200 * 1024 and acc_regs <= (256 if ws else 128) and not (jvp and bn > 64)
