@@ -187,7 +187,10 @@ def _fwd_inner(
             if not EARLY_TS:
                 ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
                                      MASKED, EVEN_DQK, HAS_TQ, HAS_TK, DOT_PREC, TMA)
-            hs = e * (ts * scale)  # (BLOCK_M, BLOCK_N): E * tS
+            if HAS_TV:
+                hs = e * (ts * scale)  # (BLOCK_M, BLOCK_N): E * tS
+            else:  # acc_t and r hold E * tS / scale: scaled once in the epilogue
+                hs = e * ts  # (BLOCK_M, BLOCK_N)
             r_i = r_i * alpha + tl.sum(hs, 1)
             acc_t = tl.dot(hs.to(v.dtype), v, acc_t, input_precision=DOT_PREC)
         if HAS_TV:
@@ -304,9 +307,12 @@ def _fwd_tile(
         tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_dv[None, :] * s_od,
                  o.to(O.dtype.element_ty), mask=omask)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
-    mu = r_i * inv_l  # (BLOCK_M,) tangent of lse (zero without tangents)
+    inv_l_t = inv_l  # (BLOCK_M,) 1 / l, with the logit scale the key loop left out (no tV)
+    if not HAS_TV:
+        inv_l_t = inv_l * scale
+    mu = r_i * inv_l_t  # (BLOCK_M,) tangent of lse (zero without tangents)
     if HAS_TQ or HAS_TK or HAS_TV:
-        to = acc_t * inv_l[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
+        to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
         if TMA:
             _desc(TO + b * s_tob + h * s_toh, N_Q, D_V, s_ton, BLOCK_M, BLOCK_DV).store(
                 [m0, 0], to.to(TO.dtype.element_ty))
