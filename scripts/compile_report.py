@@ -6,7 +6,7 @@ GPU time is scarce; register spills and scalar (2-byte) loads are visible here f
 Tensors are CPU tensors; every Triton launch is intercepted, compiled for the target and skipped.
 
     python scripts/compile_report.py --b 8 --h 16 --n 1024 --d 72 [--mode fwd_jvp|fwd|bwd]
-        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]] [--tangents q] [--persistent 2]
+        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]] [--tangents q]
 
 ``DUMP_PTX=FILE`` / ``DUMP_TTGIR=FILE`` write the (last) kernel's PTX / TritonGPU IR.
 """
@@ -87,8 +87,6 @@ def main() -> None:
                     help="one tile to compile (default: each kernel's default tile)")
     ap.add_argument("--tma", action="store_true", help="forward: the tensor-descriptor path (FLASHJVP_TMA=1)")
     ap.add_argument("--ws", action="store_true", help="forward: warp-specialize the key loop (needs --tma)")
-    ap.add_argument("--persistent", type=int, default=0, choices=[0, 1, 2],
-                    help="forward: the kernel's PERSISTENT flag (1 persistent grid, 2 also flattened)")
     args = ap.parse_args()
     if args.tma:
         os.environ["FLASHJVP_TMA"] = "1"
@@ -103,7 +101,7 @@ def main() -> None:
     a = check_inputs(q, k, v, causal=args.causal, scale=None, layout=args.layout)
     for kern, tiles in ((_fwd._attn_fwd_kernel, _fwd._FWD_TILES), (_bwd._attn_bwd_dkdv_kernel, _bwd._BWD_TILES),
                         (_bwd._attn_bwd_dq_kernel, _bwd._BWD_TILES)):
-        flags = {"WS": args.ws, "PERSISTENT": args.persistent} if kern is _fwd._attn_fwd_kernel else {}
+        flags = {"WS": args.ws} if kern is _fwd._attn_fwd_kernel else {}
         default = _fwd._FWD_WS_TILES[0] if flags.get("WS") else tiles[0]
         bm, bn, w, s = args.tile or default  # one config: the autotuner then just launches it
         kern.configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **flags}, num_warps=w, num_stages=s)]

@@ -128,11 +128,10 @@ def spy_autotuner(monkeypatch, arg: str) -> list:
     return seen
 
 
-def force_fwd_tile(monkeypatch, *, ws: bool, tma: str, tile=None, persistent: int = 0) -> list:
+def force_fwd_tile(monkeypatch, *, ws: bool, tma: str, tile=None) -> list:
     """Run the forward kernel with one tile, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
-    (default: a small 4-warp tile), warp-specialized or not, on a persistent grid or not
-    (the kernel's PERSISTENT flag), under ``FLASHJVP_TMA=tma``; returns the list the TMA flag
-    of every launch is appended to."""
+    (default: a small 4-warp tile), warp-specialized or not, under ``FLASHJVP_TMA=tma``;
+    returns the list the TMA flag of every launch is appended to."""
     import triton
 
     from flashjvp import _fwd
@@ -141,8 +140,7 @@ def force_fwd_tile(monkeypatch, *, ws: bool, tma: str, tile=None, persistent: in
     monkeypatch.setenv("FLASHJVP_TMA", tma)
     bm, bn, warps, stages = tile or ((16, 16, 4, 2) if interpreting() else (64, 32, 4, 2))
     kernel = _fwd._attn_fwd_kernel
-    config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws, "PERSISTENT": persistent},
-                           num_warps=warps, num_stages=stages)
-    monkeypatch.setattr(kernel, "configs", [config])
+    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws},
+                                                          num_warps=warps, num_stages=stages)])
     monkeypatch.setattr(kernel, "cache", {})
     return spy_autotuner(monkeypatch, "TMA")

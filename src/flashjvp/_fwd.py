@@ -21,6 +21,7 @@ import triton.language as tl
 from flashjvp._common import (
     LN2_K,
     LOG2E,
+    RESCALE_LOG2,
     aligned,
     aligned3,
     dot_precision,
@@ -36,7 +37,6 @@ from flashjvp._common import (
     load_tile,
     lse_buffer,
     new_buffer,
-    program_slots,
     strides_bhnd,
     tile_configs,
     use_tma,
@@ -62,14 +62,7 @@ _MAX_BLOCK_N = max(t[1] for t in _FWD_TILES)  # KEY_TAIL: N_K is not a multiple 
 _FWD_WS_TILES = [(128, 64, 4, 2), (64, 64, 4, 2)]
 # Listed first, so that with FLASHJVP_AUTOTUNE=0 the TMA path runs one of them; the prune drops
 # them without TMA, and its fallback (the last config) is a plain tile.
-# Persistent grid (PERSISTENT=2): about one program per SM walks the (batch, head, row block)
-# tiles, its key loop flattened with theirs, so that Triton's pipeliner fetches the next tile's
-# first K/V blocks during the current tile's last products. For short key loops (cross-attention
-# to 512 text tokens: 8 key blocks per tile), where each tile's start and end are not hidden
-# by another program's products at one program per SM.
-_FWD_PERSISTENT_TILES = [(128, 64, 8, 2)]
-_FWD_CONFIGS = (([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
-                + ([] if interpreting() else tile_configs(_FWD_PERSISTENT_TILES, WS=False, PERSISTENT=2)))
+_FWD_CONFIGS = ([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
 
 
 def _prune_fwd_configs(configs, named_args, **kwargs):
@@ -84,18 +77,13 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
 
     def fits(c):
         bm, bn, ws = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["WS"]
-        persistent = c.kwargs.get("PERSISTENT", 0)
-        if persistent and not (jvp and elt == 2 and not (args["CAUSAL"] or args["KEY_TAIL"] or args["TMA"])):
-            return False  # one key loop to flatten: no causal mask, no partial key block
-        if d64_jvp and not persistent:
+        if d64_jvp:
             return (bm, bn, c.num_warps, c.num_stages) in _FWD_JVP_D64_TILES
         if ws and not (args["TMA"] and elt == 2):
             # float32 WS tiles compile without wgmma or specialization, 32 registers and ~190 KB of
             # spills on sm_90a (scripts/compile_report.py --dtype fp32 --tma --ws)
             return False
-        # q (and tq) tiles: twice when flattened (the next tile's are loaded ahead)
-        q_tiles = (2 if jvp else 1) * (2 if persistent else 1)
-        smem = c.num_stages * bn * (dqk + dv + n_tan_kv) * elt + bm * dqk * elt * q_tiles
+        smem = c.num_stages * bn * (dqk + dv + n_tan_kv) * elt + bm * dqk * elt * (2 if jvp else 1)
         acc_regs = bm * dv * (2 if jvp else 1) // (32 * c.num_warps)  # fp32 accumulators per thread
         # warp-specialized consumers get more registers (setmaxnreg): allow twice as many
         return smem <= 200 * 1024 and acc_regs <= (256 if ws else 128) and not (jvp and bn > 64)
@@ -147,11 +135,13 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality.
-    With TMA the K/V sources are tensor descriptors (zero-filled out of bounds), else pointers."""
+    With TMA the K/V sources are tensor descriptors (zero-filled out of bounds), else pointers.
+    Unmasked blocks rescale lazily (LAZY_RESCALE): the running max m may lag a row's true max."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
+    LAZY: tl.constexpr = LAZY_RESCALE and not MASKED
     # tS is issued right after S, so that the MMA of E.V overlaps the E * tS arithmetic (Triton
     # waits for a dot at once unless it only feeds a loop-carried accumulator): 6% faster at
     # D = 64, 20% with the WS tile at D = 128 (H200). Not for 16-wide head blocks: there Triton
@@ -172,10 +162,22 @@ def _fwd_inner(
                 visible = visible & (keys[None, :] <= rows[:, None] + diag)  # (BLOCK_M, BLOCK_N)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # (BLOCK_M,), log2 units (scale > 0)
-        m_use = m_new
-        if MASKED:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
+        if LAZY:
+            # The reference max m moves (and the state is rescaled) only when some row's max
+            # grew by more than RESCALE_LOG2; otherwise e <= 2**RESCALE_LOG2 and alpha == 1.
+            if tl.max(m_new - m_i, 0) > RESCALE_LOG2:
+                alpha = tl.math.exp2(m_i - m_new)  # (BLOCK_M,)
+                l_i, r_i = l_i * alpha, r_i * alpha
+                acc_o, acc_t = acc_o * alpha[:, None], acc_t * alpha[:, None]
+                m_i = m_new
+            m_new = m_i
+            m_use = m_i
+            alpha = 1.0
+        else:
+            m_use = m_new
+            if MASKED:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
         e = tl.math.exp2(s * scale_log2 - m_use[:, None])  # (BLOCK_M, BLOCK_N), unnormalised P (one FMA)
         l_i = l_i * alpha + tl.sum(e, 1)
         v = _load_kv(v_src, start_n, stride_vn, kvalid, mask_dv, MASKED, not EVEN_DV,
@@ -201,23 +203,29 @@ def _fwd_inner(
     return acc_o, acc_t, m_i, l_i, r_i
 
 
+@triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
+                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA"],
+                 prune_configs_by={"early_config_prune": _prune_fwd_configs})
+@triton.heuristics({
+    "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
+    "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
+})
 @triton.jit
-def _fwd_tile(
-    pid_m, h, b,
+def _attn_fwd_kernel(
     Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
     s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
-    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
+    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, LAZY_RESCALE: tl.constexpr = True,
 ):
-    """One (batch ``b``, query head ``h``, query row block ``pid_m``) tile: the whole key loop
-    and the epilogue."""
-    b = b.to(tl.int64)
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     h_kv = (h // GROUPS).to(tl.int64)
     h = h.to(tl.int64)
     # Multiples of ALIGN (vector_align): 16-byte loads and stores also for D = 40, 72, ...
@@ -278,8 +286,7 @@ def _fwd_tile(
     # Key blocks every row of this block sees completely run unmasked; the rest are masked.
     # A warp-specialized loop must be the kernel's only loop (Triton 3.6 fails to compile a
     # second one after it): then one loop runs over all blocks, masking each.
-    # Without causality or a partial last key block (KEY_TAIL) only the unmasked loop exists:
-    # one inner loop, which Triton can flatten into the persistent loop.
+    # Without causality or a partial last key block (KEY_TAIL) the masked loop is not compiled.
     full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     if WS:
         full_end = 0
@@ -288,13 +295,13 @@ def _fwd_tile(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
             m0 + causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
-            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False)
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False, LAZY_RESCALE)
     if WS or CAUSAL or KEY_TAIL:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
             m0 + causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
-            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS, LAZY_RESCALE)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -333,51 +340,6 @@ def _fwd_tile(
             tl.store(MU + row, mu, mask=mask_m)
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
-                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA"],
-                 prune_configs_by={"early_config_prune": _prune_fwd_configs})
-@triton.heuristics({
-    "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
-    "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
-})
-@triton.jit
-def _attn_fwd_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
-    s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-    s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
-    s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
-    BATCH, H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
-    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
-    STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
-    EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WS: tl.constexpr, PERSISTENT: tl.constexpr = 0,
-):
-    if PERSISTENT:  # a grid of about one program per SM, each walking tiles (row blocks fastest)
-        n_mb = tl.cdiv(N_Q, BLOCK_M)
-        n_tiles = n_mb * H_Q * BATCH
-        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
-            _fwd_tile(
-                tile % n_mb, (tile // n_mb) % H_Q, tile // (n_mb * H_Q),
-                Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
-                s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-                s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
-                s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
-                H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
-                D_QK, D_V, BLOCK_DQK, BLOCK_DV, CAUSAL, KEY_TAIL, HAS_TQ, HAS_TK, HAS_TV, STORE_MU, DOT_PREC, ALIGN,
-                TMA, EVEN_DQK, EVEN_DV, BLOCK_M, BLOCK_N, WS)
-    else:
-        _fwd_tile(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2),
-            Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
-            s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-            s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
-            s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
-            H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale,
-            D_QK, D_V, BLOCK_DQK, BLOCK_DV, CAUSAL, KEY_TAIL, HAS_TQ, HAS_TK, HAS_TV, STORE_MU, DOT_PREC, ALIGN,
-            TMA, EVEN_DQK, EVEN_DV, BLOCK_M, BLOCK_N, WS)
-
-
 # Launch counters: tests use them to prove that o and to come from one launch, and which path ran.
 launches = {"fwd": 0, "tma": 0}
 
@@ -400,19 +362,14 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
         ensure_tma_allocator()
     # the TMA path writes (lse, mu, 0, 0) rows into one buffer, copied out below
     stats = new_buffer((a.batch, a.h_q, a.n_q, 4), torch.float32, q.device) if tma else None
-
-    def grid(meta):
-        n_mb = triton.cdiv(a.n_q, meta["BLOCK_M"])
-        if meta.get("PERSISTENT", 0):
-            return (min(n_mb * a.h_q * a.batch, program_slots(q)),)
-        return (n_mb, a.h_q, a.batch)
+    grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(
             _attn_fwd_kernel, grid,
             q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
             o, o if to is None else to, *((stats, stats) if tma else (lse, lse if mu is None else mu)),
             *[s for st in strides for s in st],
-            a.batch, a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
+            a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
             CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % _MAX_BLOCK_N != 0,
