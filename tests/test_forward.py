@@ -71,9 +71,9 @@ def test_long_self_attention_n999():
 
 
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "causal"])
-def test_growing_logits_rescale_lazily(causal):
-    """Logits rising along the keys (about 32 nats from first to last): the running max of the
-    unmasked key loop lags behind by less than 2**8 in some blocks and must move in others."""
+def test_growing_logits_rescale_the_state(causal):
+    """Logits rising along the keys (about 32 nats from first to last): the running max grows in
+    every key block, and the accumulators must be rescaled each time."""
     b, h, n_q, n_k, d = 1, 2, 24, 128, 16
     gain = torch.linspace(-2.0, 6.0, n_k).view(1, 1, n_k, 1)  # ~5.8 log2 units more per 16-key block
     q = torch.ones(b, h, n_q, d) + 0.1 * torch.randn(b, h, n_q, d)

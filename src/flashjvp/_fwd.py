@@ -21,7 +21,6 @@ import triton.language as tl
 from flashjvp._common import (
     LN2_K,
     LOG2E,
-    RESCALE_LOG2,
     aligned,
     aligned3,
     dot_precision,
@@ -135,13 +134,11 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality.
-    With TMA the K/V sources are tensor descriptors (zero-filled out of bounds), else pointers.
-    Unmasked blocks rescale lazily (LAZY_RESCALE): the running max m may lag a row's true max."""
+    With TMA the K/V sources are tensor descriptors (zero-filled out of bounds), else pointers."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
-    LAZY: tl.constexpr = LAZY_RESCALE and not MASKED
     # tS is issued right after S, so that the MMA of E.V overlaps the E * tS arithmetic (Triton
     # waits for a dot at once unless it only feeds a loop-carried accumulator): 6% faster at
     # D = 64, 20% with the WS tile at D = 128 (H200). Not for 16-wide head blocks: there Triton
@@ -162,22 +159,10 @@ def _fwd_inner(
                 visible = visible & (keys[None, :] <= rows[:, None] + diag)  # (BLOCK_M, BLOCK_N)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # (BLOCK_M,), log2 units (scale > 0)
-        if LAZY:
-            # The reference max m moves (and the state is rescaled) only when some row's max
-            # grew by more than RESCALE_LOG2; otherwise e <= 2**RESCALE_LOG2 and alpha == 1.
-            if tl.max(m_new - m_i, 0) > RESCALE_LOG2:
-                alpha = tl.math.exp2(m_i - m_new)  # (BLOCK_M,)
-                l_i, r_i = l_i * alpha, r_i * alpha
-                acc_o, acc_t = acc_o * alpha[:, None], acc_t * alpha[:, None]
-                m_i = m_new
-            m_new = m_i
-            m_use = m_i
-            alpha = 1.0
-        else:
-            m_use = m_new
-            if MASKED:
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-            alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
+        m_use = m_new
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
         e = tl.math.exp2(s * scale_log2 - m_use[:, None])  # (BLOCK_M, BLOCK_N), unnormalised P (one FMA)
         l_i = l_i * alpha + tl.sum(e, 1)
         v = _load_kv(v_src, start_n, stride_vn, kvalid, mask_dv, MASKED, not EVEN_DV,
@@ -221,7 +206,7 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WS: tl.constexpr, LAZY_RESCALE: tl.constexpr = True,
+    WS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -295,13 +280,13 @@ def _attn_fwd_kernel(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
             m0 + causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
-            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False, LAZY_RESCALE)
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False)
     if WS or CAUSAL or KEY_TAIL:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
             m0 + causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
-            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS, LAZY_RESCALE)
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
     empty = l_i == 0.0
