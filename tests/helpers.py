@@ -92,6 +92,16 @@ def jvp_refs(q, k, v, tq, tk, tv, **kw):
     return truth, lowp
 
 
+def check_jvp(q, k, v, tq, tk, tv, dtype, **kw):
+    """One ``attention_jvp`` call (any tangent may be None) with ``return_lse=True``: o, to, lse
+    and mu against the float64 reference (``jvp_refs``); returns the four outputs."""
+    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, return_lse=True, **kw)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, **kw)
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
+        assert_close(name, got, ref, ref_lp, dtype)
+    return out
+
+
 def grad_refs(q, k, v, do, **kw):
     """Gradients of <attention_ref(q, k, v), do> in float64 and in the input dtype."""
     out = []

@@ -9,6 +9,7 @@ from helpers import (
     DTYPES,
     MEMORY_KINDS,
     assert_close,
+    check_jvp,
     force_fwd_tile,
     jvp_refs,
     make_qkv,
@@ -79,10 +80,7 @@ def test_growing_logits_rescale_the_state(causal):
     q = torch.ones(b, h, n_q, d) + 0.1 * torch.randn(b, h, n_q, d)
     k = gain * torch.ones(b, h, n_k, d) + 0.1 * torch.randn(b, h, n_k, d)
     v, tq, tk, tv = (torch.randn(b, h, n, d) for n in (n_k, n_q, n_k, n_k))
-    got = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, return_lse=True)
-    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal)
-    for name, x, ref, ref_lp in zip(("o", "to", "lse", "mu"), got, truth, lowp):
-        assert_close(name, x, ref, ref_lp, torch.float32)
+    check_jvp(q, k, v, tq, tk, tv, torch.float32, causal=causal)
 
 
 SUBSETS = [(), ("tq",), ("tk",), ("tv",), ("tq", "tk"), ("tk", "tv"), ("tq", "tv")]
@@ -93,10 +91,8 @@ def test_missing_tangents_are_zero(given):
     q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 21, 33, 24, 40, "bnhd", torch.float32)
     tangents = {"tq": tq, "tk": tk, "tv": tv}
     kw = {n: (t if n in given else None) for n, t in tangents.items()}
-    o, to, lse, mu = flashjvp.attention_jvp(q, k, v, **kw, causal="bottom_right", layout="bnhd", return_lse=True)
-    truth, lowp = jvp_refs(q, k, v, **kw, causal="bottom_right", layout="bnhd")
-    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), (o, to, lse, mu), truth, lowp):
-        assert_close(name, got, ref, ref_lp, torch.float32)
+    o, to, lse, mu = check_jvp(q, k, v, kw["tq"], kw["tk"], kw["tv"], torch.float32,
+                               causal="bottom_right", layout="bnhd")
     if not given:
         assert torch.count_nonzero(to) == 0 and torch.count_nonzero(mu) == 0
 
@@ -173,11 +169,8 @@ def test_tma_path_matches_reference(shape, layout, given, causal, ws, monkeypatc
     # each tensor in its own layout, all describable: contiguous, or dims 1 and 2 swapped
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, torch.float32, ("contiguous", "swapped"))
     kw = {n: t for n, t in (("tq", tq), ("tk", tk), ("tv", tv)) if n in given}
-    o, to, lse, mu = flashjvp.attention_jvp(q, k, v, **kw, causal=causal, layout=layout, return_lse=True)
+    check_jvp(q, k, v, kw.get("tq"), kw.get("tk"), kw.get("tv"), torch.float32, causal=causal, layout=layout)
     assert seen == [True]
-    truth, lowp = jvp_refs(q, k, v, kw.get("tq"), kw.get("tk"), kw.get("tv"), causal=causal, layout=layout)
-    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), (o, to, lse, mu), truth, lowp):
-        assert_close(name, got, ref, ref_lp, torch.float32)
 
 
 @pytest.mark.parametrize(("d", "kind"), [(37, "contiguous"), (40, "strided")], ids=["d37", "strided"])

@@ -7,7 +7,7 @@ import torch
 import flashjvp
 from flashjvp._fwd import _FWD_JVP_D64_TILES, _FWD_WS_TILES
 from flashjvp._fwd import launches as fwd_launches
-from helpers import DTYPE_IDS, assert_close, force_fwd_tile, grad_refs, jvp_refs, make_qkv
+from helpers import DTYPE_IDS, assert_close, check_jvp, force_fwd_tile, grad_refs, jvp_refs, make_qkv
 
 pytestmark = pytest.mark.gpu
 DT = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
@@ -41,20 +41,12 @@ BWD_MATRIX = [
 ]
 
 
-def _check_jvp(q, k, v, tq, tk, tv, causal, layout, dtype):
-    """o, to, lse and mu of one forward+JVP call against the float64 reference."""
-    out = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout, return_lse=True)
-    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout=layout)
-    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
-        assert_close(name, got, ref, ref_lp, dtype)
-
-
 @pytest.mark.parametrize("dtype", DT)
 @pytest.mark.parametrize("case", JVP_MATRIX)
 def test_jvp_full_size(case, dtype):
     *shape, causal = case
     layout = "bnhd" if shape[3] % 2 else "bhnd"
-    _check_jvp(*make_qkv(*shape, layout, dtype), causal, layout, dtype)
+    check_jvp(*make_qkv(*shape, layout, dtype), dtype, causal=causal, layout=layout)
 
 
 @pytest.mark.parametrize("dtype", DT)
@@ -90,7 +82,7 @@ def _tma_case(case, given, layout, dtype):
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype, kinds=("contiguous", "swapped"))
     tk, tv = (tk, tv) if given == "qkv" else (None, None)
     before = fwd_launches["tma"]
-    _check_jvp(q, k, v, tq, tk, tv, causal, layout, dtype)
+    check_jvp(q, k, v, tq, tk, tv, dtype, causal=causal, layout=layout)
     assert fwd_launches["tma"] == before + 1, "the TMA path did not run"
 
 
@@ -123,7 +115,7 @@ def test_pointer_tiles_full_size(tile, d, case, dtype, monkeypatch):
     the pointer path's 128x64 8-warp 2-stage tile at head dim 128 (7b's pick)."""
     force_fwd_tile(monkeypatch, ws=False, tma="0", tile=tile)
     *shape, causal = case
-    _check_jvp(*make_qkv(*shape, d, d, "bnhd", dtype), causal, "bnhd", dtype)
+    check_jvp(*make_qkv(*shape, d, d, "bnhd", dtype), dtype, causal=causal, layout="bnhd")
 
 
 @pytest.mark.parametrize(("d", "n_k", "tangents", "dtype", "expected"),

@@ -54,11 +54,13 @@ _FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
 # given all of them: benchmarks/NOTES.md). 128x128 is kept to this case: elsewhere with tangents
 # its fp32 tiles do not fit in registers.
 _FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
-_MAX_BLOCK_N = max(t[1] for t in _FWD_TILES)  # KEY_TAIL: N_K is not a multiple of every BLOCK_N
 # Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
 # 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py).
 # BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check).
 _FWD_WS_TILES = [(128, 64, 4, 2), (64, 64, 4, 2)]
+# KEY_TAIL (the launcher's flag) is N_K % _MAX_BLOCK_N != 0: without it N_K must be a multiple
+# of the launched BLOCK_N, which the kernel asserts when it compiles (a forced or new tile too).
+_MAX_BLOCK_N = tl.constexpr(max(t[1] for t in _FWD_TILES + _FWD_JVP_D64_TILES + _FWD_WS_TILES))
 # Listed first, so that with FLASHJVP_AUTOTUNE=0 the TMA path runs one of them; the prune drops
 # them without TMA, and its fallback (the last config) is a plain tile.
 _FWD_CONFIGS = ([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
@@ -272,6 +274,7 @@ def _attn_fwd_kernel(
     # A warp-specialized loop must be the kernel's only loop (Triton 3.6 fails to compile a
     # second one after it): then one loop runs over all blocks, masking each.
     # Without causality or a partial last key block (KEY_TAIL) the masked loop is not compiled.
+    tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
     full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     if WS:
         full_end = 0
@@ -357,7 +360,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
-            CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % _MAX_BLOCK_N != 0,
+            CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % _MAX_BLOCK_N.value != 0,
             HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
             STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
