@@ -187,13 +187,14 @@ def test_tma_falls_back_when_descriptors_cannot_address(d, kind, monkeypatch):
 
 
 def test_tma_policy(monkeypatch):
-    """FLASHJVP_TMA: ``auto`` (the default) never picks TMA for CPU tensors (nor, on the GPU, for
-    head dims < 128, < 1024 keys, float32 or a plain forward: test_gpu.py); ``1`` whenever descriptors can address
-    every tensor; other values are refused."""
-    from flashjvp._common import use_tma
+    """FLASHJVP_TMA: unset is ``0`` (never); ``auto`` never picks TMA for CPU tensors (nor, on the
+    GPU, for head dims < 128, < 1024 keys, float32 or a plain forward: test_gpu.py); ``1`` whenever
+    descriptors can address every tensor; other values are refused."""
+    from flashjvp._common import TMA_DEFAULT, use_tma
 
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
-    monkeypatch.delenv("FLASHJVP_TMA", raising=False)  # unset: auto
+    assert TMA_DEFAULT == "0"
+    monkeypatch.delenv("FLASHJVP_TMA", raising=False)
     assert not use_tma([q], jvp=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "auto")
     assert not use_tma([q], jvp=True, d_min=128, n_k=4096)

@@ -124,8 +124,8 @@ def test_pointer_tiles_full_size(tile, d, case, dtype, monkeypatch):
                           (128, 1024, True, torch.float32, 0)],
                          ids=["d128-jvp", "d64-jvp", "d128-fwd", "d128-jvp-512-keys", "d128-jvp-fp32"])
 def test_tma_auto_policy(d, n_k, tangents, dtype, expected, monkeypatch):
-    """The default (FLASHJVP_TMA unset = auto) takes the TMA path only where it measured faster."""
-    monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+    """FLASHJVP_TMA=auto takes the TMA path only where it measured faster."""
+    monkeypatch.setenv("FLASHJVP_TMA", "auto")
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, n_k, d, d, "bhnd", dtype, kinds=("contiguous",))
     before = fwd_launches["tma"]
     if tangents:
@@ -133,6 +133,27 @@ def test_tma_auto_policy(d, n_k, tangents, dtype, expected, monkeypatch):
     else:
         flashjvp.attention(q, k, v)
     assert fwd_launches["tma"] - before == expected
+
+
+def test_tma_off_by_default(monkeypatch):
+    """Unset, FLASHJVP_TMA is 0: not even the shape auto would pick runs on the TMA path."""
+    monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+    before = fwd_launches["tma"]
+    flashjvp.attention_jvp(*make_qkv(1, 2, 2, 256, 1024, 128, 128, "bhnd", torch.bfloat16))
+    assert fwd_launches["tma"] == before
+
+
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_repeated_calls_fresh_buffers(d):
+    """Eight forward+JVP calls alternating two input sets, every call on freshly allocated copies
+    (all kept alive, so no address repeats) writing fresh outputs, each checked against float64:
+    a kernel that reads or writes through a descriptor or pointer left from an earlier call fails
+    here (run with FLASHJVP_TMA=1 in the environment to exercise the TMA path)."""
+    sets = [make_qkv(1, 8, 4, 777, 1333, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",)) for _ in range(2)]
+    kept = []
+    for i in range(8):
+        args = [x.clone() for x in sets[i % 2]]
+        kept.append((args, check_jvp(*args, torch.bfloat16, causal="bottom_right" if i % 4 == 3 else False)))
 
 
 def test_side_stream_and_device_context():

@@ -77,9 +77,13 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
 
 
 _TMA_MODES = {"auto", "0", "1"}
-# FLASHJVP_TMA when unset. "auto": the TMA path passed the GPU tests and its row-statistics check
-# on 2026-12-03 (second session) and was faster at D = 128 (benchmarks/NOTES.md).
-TMA_DEFAULT = "auto"
+# FLASHJVP_TMA when unset: "0". The TMA path is faster at D = 128 (1.94 vs 2.34 ms at B2 H24
+# N4096 on the H200) but not safe with Triton 3.6: its tensor descriptors are built on the
+# device, only the first warp of a group fences them (fence.proxy.tensormap acquire), and a
+# second warp issues TMA copies with them too. On the H200 whole row blocks of o, to, lse and mu
+# were left unwritten, intermittently, on the second and later calls (benchmarks/NOTES.md,
+# "2026-12-03, fifth session"); loads can read through a stale descriptor the same way.
+TMA_DEFAULT = "0"
 
 
 @functools.cache
@@ -90,9 +94,10 @@ def _hopper(index: int) -> bool:
 def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int) -> bool:
     """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
     warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA`` (unset:
-    ``TMA_DEFAULT``): ``auto`` where the H200 measured it faster: forward+JVP of 16-bit inputs
-    with both head dims >= 128 and at least 1024 keys, on a Hopper GPU (benchmarks/NOTES.md);
-    ``1`` wherever the tensors allow it; ``0`` never.
+    ``TMA_DEFAULT``, ``0``): ``0`` never; ``auto`` where the H200 measured it faster: forward+JVP
+    of 16-bit inputs with both head dims >= 128 and at least 1024 keys, on a Hopper GPU;
+    ``1`` wherever the tensors allow it. ``auto`` and ``1`` are for experiments only: with
+    Triton 3.6 the path can leave outputs unwritten (see ``TMA_DEFAULT``).
     ``tensors``: every tensor of the launch (``None`` skipped), the first a query."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
