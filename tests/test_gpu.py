@@ -147,8 +147,10 @@ def test_tma_off_by_default(monkeypatch):
 def test_repeated_calls_fresh_buffers(d):
     """Eight forward+JVP calls alternating two input sets, every call on freshly allocated copies
     (all kept alive, so no address repeats) writing fresh outputs, each checked against float64:
-    a kernel that reads or writes through a descriptor or pointer left from an earlier call fails
-    here (run with FLASHJVP_TMA=1 in the environment to exercise the TMA path)."""
+    a kernel that reads or writes through a descriptor or pointer left from an earlier call, or
+    leaves rows unwritten, fails here. With FLASHJVP_TMA=1 in the environment it exercises the
+    TMA path (it passed so on the H200, 128x64 WS tile: that tile's rare unwritten rows were not
+    reproduced; runs/ws-stale-2026-12-03p.txt)."""
     sets = [make_qkv(1, 8, 4, 777, 1333, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",)) for _ in range(2)]
     kept = []
     for i in range(8):

@@ -6,10 +6,10 @@ max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
 
-The ``TMA`` path (``use_tma``: by default 16-bit forward+JVP with head dims >= 128 and >= 1024
-keys on Hopper, where the H200 measured it faster) moves every tile through tensor descriptors
-when the strides allow it, and adds warp-specialized 4-warp tiles (``WS``: one masked key loop,
-split by Triton into a producer and two 64-row consumer partitions) to the autotune candidates.
+The ``TMA`` path (``use_tma``: off unless ``FLASHJVP_TMA`` asks for it, see ``TMA_DEFAULT``)
+moves every tile through tensor descriptors when the strides allow it, and adds a
+warp-specialized 4-warp tile (``WS``: one masked key loop, split by Triton into a producer and
+two 64-row consumer partitions) to the autotune candidates.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ _FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
 _FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
 # Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
 # 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py).
-# BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check).
-_FWD_WS_TILES = [(128, 64, 4, 2), (64, 64, 4, 2)]
+# BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check); so is
+# 64x64: it left whole row blocks of o, to, lse and mu unwritten in 6 of 20 calls
+# (runs/ws-nan-2026-12-03o.txt, runs/ws-stale-2026-12-03p.txt) and was never the fastest.
+_FWD_WS_TILES = [(128, 64, 4, 2)]
 # KEY_TAIL (the launcher's flag) is N_K % _MAX_BLOCK_N != 0: without it N_K must be a multiple
 # of the launched BLOCK_N, which the kernel asserts when it compiles (a forced or new tile too).
 _MAX_BLOCK_N = tl.constexpr(max(t[1] for t in _FWD_TILES + _FWD_JVP_D64_TILES + _FWD_WS_TILES))
