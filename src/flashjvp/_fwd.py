@@ -35,7 +35,6 @@ from flashjvp._common import (
     length_bucket,
     load_tile,
     lse_buffer,
-    new_buffer,
     strides_bhnd,
     tile_configs,
     use_tma,
@@ -294,15 +293,17 @@ def _attn_fwd_kernel(
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
+    # Pointer stores on every path. Addresses and masks are built from the scalar m0 plus
+    # `rows`, which Triton 3.6's warp-specialization partitioner shifts once per consumer
+    # partition (it shifted m0 + arange twice: benchmarks/NOTES.md). TMA stores through
+    # device-built descriptors left whole row blocks unwritten (NOTES, fifth session).
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)  # (BLOCK_M,)
     o = acc_o * inv_l[:, None]  # (BLOCK_M, BLOCK_DV)
-    omask = mask_m[:, None] & mask_dv[None, :]
-    if TMA:  # the TMA store clips rows >= N_Q and columns >= D_V
-        _desc(O + b * s_ob + h * s_oh, N_Q, D_V, s_on, BLOCK_M, BLOCK_DV).store([m0, 0], o.to(O.dtype.element_ty))
-    else:
-        tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_dv[None, :] * s_od,
-                 o.to(O.dtype.element_ty), mask=omask)
+    rmask = rows < N_Q - m0  # (BLOCK_M,)
+    omask = rmask[:, None] & mask_dv[None, :]  # (BLOCK_M, BLOCK_DV)
+    tl.store(O + b * s_ob + h * s_oh + m0 * s_on + rows[:, None] * s_on + offs_dv[None, :] * s_od,
+             o.to(O.dtype.element_ty), mask=omask)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
     inv_l_t = inv_l  # (BLOCK_M,) 1 / l, with the logit scale the key loop left out (no tV)
     if not HAS_TV:
@@ -310,24 +311,12 @@ def _attn_fwd_kernel(
     mu = r_i * inv_l_t  # (BLOCK_M,) tangent of lse (zero without tangents)
     if HAS_TQ or HAS_TK or HAS_TV:
         to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
-        if TMA:
-            _desc(TO + b * s_tob + h * s_toh, N_Q, D_V, s_ton, BLOCK_M, BLOCK_DV).store(
-                [m0, 0], to.to(TO.dtype.element_ty))
-        else:
-            tl.store(TO + b * s_tob + h * s_toh + offs_m[:, None] * s_ton + offs_dv[None, :] * s_tod,
-                     to.to(TO.dtype.element_ty), mask=omask)
-    if TMA:
-        # Row statistics through a descriptor as well: LSE is then a (B, H, N_Q, 4) float32
-        # buffer holding (lse, mu, 0, 0) per row, stored at the TMA coordinate m0, which Triton
-        # shifts correctly per WS partition (it shifted offs_m twice: benchmarks/NOTES.md).
-        col = tl.arange(0, 4)[None, :]  # (1, 4)
-        stats = tl.where(col == 0, lse[:, None], tl.where(col == 1, mu[:, None], 0.0))  # (BLOCK_M, 4)
-        _desc(LSE + (b * H_Q + h) * N_Q * 4, N_Q, 4, 4, BLOCK_M, 4).store([m0, 0], stats)
-    else:
-        row = (b * H_Q + h) * N_Q + offs_m
-        tl.store(LSE + row, lse, mask=mask_m)
-        if STORE_MU:
-            tl.store(MU + row, mu, mask=mask_m)
+        tl.store(TO + b * s_tob + h * s_toh + m0 * s_ton + rows[:, None] * s_ton + offs_dv[None, :] * s_tod,
+                 to.to(TO.dtype.element_ty), mask=omask)
+    row0 = (b * H_Q + h) * N_Q + m0  # flat index of this block's first row in (B, H, N_Q)
+    tl.store(LSE + row0 + rows, lse, mask=rmask)
+    if STORE_MU:
+        tl.store(MU + row0 + rows, mu, mask=rmask)
 
 
 # Launch counters: tests use them to prove that o and to come from one launch, and which path ran.
@@ -350,14 +339,12 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     tma = use_tma((q, k, v, tq, tk, tv, o, to), jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k)
     if tma and q.is_cuda:
         ensure_tma_allocator()
-    # the TMA path writes (lse, mu, 0, 0) rows into one buffer, copied out below
-    stats = new_buffer((a.batch, a.h_q, a.n_q, 4), torch.float32, q.device) if tma else None
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(
             _attn_fwd_kernel, grid,
             q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
-            o, o if to is None else to, *((stats, stats) if tma else (lse, lse if mu is None else mu)),
+            o, o if to is None else to, lse, lse if mu is None else mu,
             *[s for st in strides for s in st],
             a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
@@ -367,10 +354,6 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
         )
-        if tma:
-            lse.copy_(stats[..., 0])
-            if mu is not None:
-                mu.copy_(stats[..., 1])
     launches["fwd"] += 1
     launches["tma"] += tma
     return o, to, lse, mu
