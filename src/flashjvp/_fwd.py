@@ -7,9 +7,9 @@ Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a z
 costs no matrix product.
 
 The ``TMA`` path (``use_tma``: off unless ``FLASHJVP_TMA`` asks for it, see ``TMA_DEFAULT``)
-moves every tile through tensor descriptors when the strides allow it, and adds a
-warp-specialized 4-warp tile (``WS``: one masked key loop, split by Triton into a producer and
-two 64-row consumer partitions) to the autotune candidates.
+loads every tile through tensor descriptors when the strides allow it (outputs are stored through
+pointers on both paths), and adds a warp-specialized 4-warp tile (``WS``: one masked key loop,
+split by Triton into a producer and two 64-row consumer partitions) to the autotune candidates.
 """
 
 from __future__ import annotations
@@ -293,16 +293,21 @@ def _attn_fwd_kernel(
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
-    # Pointer stores on every path. Addresses and masks are built from the scalar m0 plus
-    # `rows`, which Triton 3.6's warp-specialization partitioner shifts once per consumer
-    # partition (it shifted m0 + arange twice: benchmarks/NOTES.md). TMA stores through
+    # Pointer stores on both paths. On the TMA path addresses and masks are built from the
+    # scalar m0 plus `rows`, which Triton 3.6's warp-specialization partitioner shifts once per
+    # consumer partition (it shifted m0 + arange twice: benchmarks/NOTES.md); TMA stores through
     # device-built descriptors left whole row blocks unwritten (NOTES, fifth session).
+    row_base = 0  # first row of the block, added as a scalar (TMA path)
+    out_rows = offs_m  # (BLOCK_M,) rows, relative to row_base
+    if TMA:
+        row_base = m0
+        out_rows = rows
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)  # (BLOCK_M,)
     o = acc_o * inv_l[:, None]  # (BLOCK_M, BLOCK_DV)
-    rmask = rows < N_Q - m0  # (BLOCK_M,)
+    rmask = out_rows < N_Q - row_base  # (BLOCK_M,)
     omask = rmask[:, None] & mask_dv[None, :]  # (BLOCK_M, BLOCK_DV)
-    tl.store(O + b * s_ob + h * s_oh + m0 * s_on + rows[:, None] * s_on + offs_dv[None, :] * s_od,
+    tl.store(O + b * s_ob + h * s_oh + row_base * s_on + out_rows[:, None] * s_on + offs_dv[None, :] * s_od,
              o.to(O.dtype.element_ty), mask=omask)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
     inv_l_t = inv_l  # (BLOCK_M,) 1 / l, with the logit scale the key loop left out (no tV)
@@ -311,12 +316,12 @@ def _attn_fwd_kernel(
     mu = r_i * inv_l_t  # (BLOCK_M,) tangent of lse (zero without tangents)
     if HAS_TQ or HAS_TK or HAS_TV:
         to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
-        tl.store(TO + b * s_tob + h * s_toh + m0 * s_ton + rows[:, None] * s_ton + offs_dv[None, :] * s_tod,
+        tl.store(TO + b * s_tob + h * s_toh + row_base * s_ton + out_rows[:, None] * s_ton + offs_dv[None, :] * s_tod,
                  to.to(TO.dtype.element_ty), mask=omask)
-    row0 = (b * H_Q + h) * N_Q + m0  # flat index of this block's first row in (B, H, N_Q)
-    tl.store(LSE + row0 + rows, lse, mask=rmask)
+    row0 = (b * H_Q + h) * N_Q + row_base  # flat index of row_base in (B, H, N_Q)
+    tl.store(LSE + row0 + out_rows, lse, mask=rmask)
     if STORE_MU:
-        tl.store(MU + row0 + rows, mu, mask=rmask)
+        tl.store(MU + row0 + out_rows, mu, mask=rmask)
 
 
 # Launch counters: tests use them to prove that o and to come from one launch, and which path ran.
