@@ -42,6 +42,8 @@ reports: list[str] = []
 
 def _compile_only(self, *args, grid, warmup, **kwargs):
     """Stand-in for JITFunction.run: bind and specialise like a launch, compile, report."""
+    for hook in self.pre_run_hooks:  # as JITFunction.run does (the forward sets its TMA boxes)
+        hook(*args, **kwargs)
     backend = CUDABackend(TARGET)
     binder = create_function_from_signature(self.signature, self.params, backend)
     bound, spec, options = binder(*args, **kwargs)

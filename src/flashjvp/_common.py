@@ -59,10 +59,10 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
     B8 H16 N1024 D72 took 0.34 ms per call against 0.17 ms of GPU time. Here the key is read
     from the keyword arguments the kernel's ``key`` names (the launchers pass all of them by
     keyword) and the dtype of the first tensor (every other tensor of a launch has that dtype
-    or a fixed float32); the first call for a key tunes through the Autotuner, later ones launch
-    the picked config directly. ``kernel`` is ``@triton.autotune`` over ``@triton.heuristics``
-    whose rules read keyword arguments only."""
-    key = (kernel, args[0].dtype, *[kwargs[k] for k in kernel.keys])
+    or a fixed float32; a tensor descriptor's base tensor); the first call for a key tunes through
+    the Autotuner, later ones launch the picked config directly. ``kernel`` is
+    ``@triton.autotune`` over ``@triton.heuristics`` whose rules read keyword arguments only."""
+    key = (kernel, getattr(args[0], "base", args[0]).dtype, *[kwargs[k] for k in kernel.keys])
     config = _TUNED.get(key)
     if config is None:
         kernel[grid](*args, **kwargs)
@@ -94,14 +94,15 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int) -> bool:
+def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int, layout: str = "bhnd") -> bool:
     """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
     warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA`` (unset:
     ``TMA_DEFAULT``, ``0``): ``0`` never; ``auto`` where the H200 measured it faster: forward+JVP
     of 16-bit inputs with both head dims >= 128 and at least 1024 keys, on a Hopper GPU;
     ``1`` wherever the tensors allow it. ``auto`` and ``1`` are for experiments only: with
     Triton 3.6 the path can leave outputs unwritten (see ``TMA_DEFAULT``).
-    ``tensors``: every tensor of the launch (``None`` skipped), the first a query."""
+    ``tensors``: the launch's inputs (``None`` skipped), the first a query, given in ``layout``;
+    all stored (B, H, N, D)-ordered (``heads_outside_sequence``)."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
@@ -112,7 +113,21 @@ def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int) -> bool:
         if not (jvp and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
                 and _hopper(q.device.index)):
             return False
-    return tma_usable(tensors)
+    return tma_usable(tensors) and heads_outside_sequence(tensors, layout)
+
+
+def heads_outside_sequence(tensors, layout: str) -> bool:
+    """Whether every tensor (``None`` skipped) is stored (B, H, N, D)-ordered: its head stride at
+    least its sequence stride (one head or one row fits either way). The TMA path's host-made
+    4-D descriptors need that order: over (B, N, H, D) storage Triton 3.6 failed to compile the
+    warp-specialized tile and spilled 264 B in the plain one (scripts/compile_report.py)."""
+    for x in tensors:
+        if x is not None:
+            h, n = (x.shape[1], x.shape[2]) if layout == "bhnd" else (x.shape[2], x.shape[1])
+            _, sh, sn, _ = strides_bhnd(x, layout)
+            if h > 1 and n > 1 and sn > sh:
+                return False
+    return True
 
 
 def tma_usable(tensors) -> bool:
@@ -125,15 +140,6 @@ def tma_usable(tensors) -> bool:
         if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * elt % 16 for st in x.stride()[:-1]):
             return False
     return True
-
-
-def ensure_tma_allocator() -> None:
-    """Kernels that build tensor descriptors need scratch memory from Triton's allocator; set
-    one backed by PyTorch's caching allocator unless the program has set its own."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def _next_power_of_2(n: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashjvp._common import (
     LN2_K,
@@ -25,7 +26,6 @@ from flashjvp._common import (
     aligned3,
     dot_precision,
     empty_out,
-    ensure_tma_allocator,
     head_blocks,
     interpreting,
     keep_fitting,
@@ -62,6 +62,26 @@ _FWD_WS_TILES = [(128, 64, 4, 2)]
 # KEY_TAIL (the launcher's flag) is N_K % _MAX_BLOCK_N != 0: without it N_K must be a multiple
 # of the launched BLOCK_N, which the kernel asserts when it compiles (a forced or new tile too).
 _MAX_BLOCK_N = tl.constexpr(max(t[1] for t in _FWD_TILES + _FWD_JVP_D64_TILES + _FWD_WS_TILES))
+
+
+def _set_tma_boxes(*args, **kwargs) -> None:
+    """Pre-run hook of the kernel (every launch, whatever the config and however it was picked):
+    on the TMA path give the host-made descriptors of q, k, v, tq, tk, tv (the first six
+    arguments) the (1, 1, rows, BLOCK_D) box of the launched tile."""
+    if not isinstance(args[0], TensorDescriptor):
+        return
+    bm, bn, dqk, dv = kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["BLOCK_DQK"], kwargs["BLOCK_DV"]
+    for i, (rows, d) in enumerate(((bm, dqk), (bn, dqk), (bn, dv), (bm, dqk), (bn, dqk), (bn, dv))):
+        args[i].block_shape = [1, 1, rows, d]
+
+
+def _tma_descriptor(x: torch.Tensor, layout: str) -> TensorDescriptor:
+    """4-D descriptor over ``x`` as (B, H, N, D) (its storage order: use_tma checked); the box is
+    set per launch by ``_set_tma_boxes``."""
+    shape = x.shape if layout == "bhnd" else (x.shape[0], x.shape[2], x.shape[1], x.shape[3])
+    return TensorDescriptor(x, list(shape), list(strides_bhnd(x, layout)), [1, 1, 1, 16])
+
+
 # Listed first, so that with FLASHJVP_AUTOTUNE=0 the TMA path runs one of them; the prune drops
 # them without TMA, and its fallback (the last config) is a plain tile.
 _FWD_CONFIGS = ([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
@@ -72,7 +92,7 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
     accumulators fit in registers; without autotuning keep the first that fits."""
     args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
     dqk, dv = args["BLOCK_DQK"], args["BLOCK_DV"]
-    elt = args["Q"].element_size()
+    elt = getattr(args["Q"], "base", args["Q"]).element_size()
     n_tan_kv = int(args["HAS_TK"]) * dqk + int(args["HAS_TV"]) * dv
     jvp = args["HAS_TQ"] or args["HAS_TK"] or args["HAS_TV"]
     d64_jvp = jvp and elt == 2 and dqk == dv == 64 and not args["TMA"]
@@ -94,19 +114,20 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _desc(base, N, D, stride_n, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Tensor descriptor of one (batch, head)'s (N, D) matrix (unit stride along D), read and
-    written in (BLOCK_ROWS, BLOCK_D) boxes; out-of-bounds rows and columns read as zero."""
-    return tl.make_tensor_descriptor(base, [N, D], [stride_n, 1], [BLOCK_ROWS, BLOCK_D])
+def _tma_tile(desc, b, h, row):
+    """The (rows, D) box at sequence position ``row`` of (batch ``b``, head ``h``) from a host-made
+    4-D tensor descriptor over (B, H, N, D) storage; rows past N and columns past D read as zero."""
+    x = desc.load([b, h, row, 0])  # (1, 1, rows, D)
+    return tl.reshape(x, [x.shape[2], x.shape[3]])  # (rows, D)
 
 
 @triton.jit
-def _load_kv(src, start_n, stride_n, mask0, mask1, MASK0: tl.constexpr, MASK1: tl.constexpr,
+def _load_kv(src, start_n, stride_n, mask0, mask1, b, h, MASK0: tl.constexpr, MASK1: tl.constexpr,
              TMA: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """Key block ``start_n`` of K/V/tK/tV: from a tensor descriptor ((BLOCK_N, D) boxes,
-    transposed for K) or from a pointer tile (already laid out as wanted)."""
+    """Key block ``start_n`` of K/V/tK/tV: from a tensor descriptor ((BLOCK_N, D) boxes of batch
+    ``b``, head ``h``; transposed for K) or from a pointer tile (already laid out as wanted)."""
     if TMA:
-        x = src.load([start_n, 0])  # (BLOCK_N, BLOCK_D)
+        x = _tma_tile(src, b, h, start_n)  # (BLOCK_N, BLOCK_D)
         if TRANSPOSED:
             x = tl.trans(x)  # (BLOCK_D, BLOCK_N)
     else:
@@ -115,7 +136,7 @@ def _load_kv(src, start_n, stride_n, mask0, mask1, MASK0: tl.constexpr, MASK1: t
 
 
 @triton.jit
-def _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
+def _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s, b, h_kv,
                     MASKED: tl.constexpr, EVEN_DQK: tl.constexpr, HAS_TQ: tl.constexpr,
                     HAS_TK: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     """tS = tQ.K^T + Q.tK^T for key block ``start_n``: (BLOCK_M, BLOCK_N), like ``s``."""
@@ -123,7 +144,7 @@ def _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
     if HAS_TQ:
         ts = tl.dot(tq, k, ts, input_precision=DOT_PREC)
     if HAS_TK:
-        tk = _load_kv(tk_src, start_n, stride_tkn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
+        tk = _load_kv(tk_src, start_n, stride_tkn, mask_dqk, kvalid, b, h_kv, not EVEN_DQK, MASKED,
                       TMA, True)  # (BLOCK_DQK, BLOCK_N)
         ts = tl.dot(q, tk, ts, input_precision=DOT_PREC)
     return ts
@@ -133,14 +154,15 @@ def _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
 def _fwd_inner(
     acc_o, acc_t, m_i, l_i, r_i, q, tq,
     k_src, v_src, tk_src, tv_src, stride_kn, stride_vn, stride_tkn, stride_tvn,
-    rows, offs_n, mask_dqk, mask_dv, lo, hi, N_K, diag, scale_log2, scale,
+    rows, offs_n, mask_dqk, mask_dv, lo, hi, N_K, diag, scale_log2, scale, b, h_kv,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality.
-    With TMA the K/V sources are tensor descriptors (zero-filled out of bounds), else pointers."""
+    With TMA the K/V sources are host-made tensor descriptors read at (``b``, ``h_kv``; zero-filled
+    out of bounds), else pointers."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     # tS is issued right after S, so that the MMA of E.V overlaps the E * tS arithmetic (Triton
     # waits for a dot at once unless it only feeds a loop-carried accumulator): 6% faster at
@@ -150,11 +172,11 @@ def _fwd_inner(
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         keys = start_n + offs_n  # (BLOCK_N,)
         kvalid = keys < N_K  # (BLOCK_N,)
-        k = _load_kv(k_src, start_n, stride_kn, mask_dqk, kvalid, not EVEN_DQK, MASKED,
+        k = _load_kv(k_src, start_n, stride_kn, mask_dqk, kvalid, b, h_kv, not EVEN_DQK, MASKED,
                      TMA, True)  # (BLOCK_DQK, BLOCK_N), K transposed
         s = tl.dot(q, k, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N), unscaled logits
         if HAS_TS and EARLY_TS:
-            ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
+            ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s, b, h_kv,
                                  MASKED, EVEN_DQK, HAS_TQ, HAS_TK, DOT_PREC, TMA)
         if MASKED:
             visible = kvalid[None, :]  # (1, BLOCK_N)
@@ -168,14 +190,14 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
         e = tl.math.exp2(s * scale_log2 - m_use[:, None])  # (BLOCK_M, BLOCK_N), unnormalised P (one FMA)
         l_i = l_i * alpha + tl.sum(e, 1)
-        v = _load_kv(v_src, start_n, stride_vn, kvalid, mask_dv, MASKED, not EVEN_DV,
+        v = _load_kv(v_src, start_n, stride_vn, kvalid, mask_dv, b, h_kv, MASKED, not EVEN_DV,
                      TMA, False)  # (BLOCK_N, BLOCK_DV)
         acc_o = tl.dot(e.to(v.dtype), v, acc_o * alpha[:, None], input_precision=DOT_PREC)
         if HAS_TS or HAS_TV:
             acc_t = acc_t * alpha[:, None]  # (BLOCK_M, BLOCK_DV)
         if HAS_TS:
             if not EARLY_TS:
-                ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s,
+                ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s, b, h_kv,
                                      MASKED, EVEN_DQK, HAS_TQ, HAS_TK, DOT_PREC, TMA)
             if HAS_TV:
                 hs = e * (ts * scale)  # (BLOCK_M, BLOCK_N): E * tS
@@ -184,7 +206,7 @@ def _fwd_inner(
             r_i = r_i * alpha + tl.sum(hs, 1)
             acc_t = tl.dot(hs.to(v.dtype), v, acc_t, input_precision=DOT_PREC)
         if HAS_TV:
-            tv = _load_kv(tv_src, start_n, stride_tvn, kvalid, mask_dv, MASKED, not EVEN_DV,
+            tv = _load_kv(tv_src, start_n, stride_tvn, kvalid, mask_dv, b, h_kv, MASKED, not EVEN_DV,
                           TMA, False)  # (BLOCK_N, BLOCK_DV)
             acc_t = tl.dot(e.to(tv.dtype), tv, acc_t, input_precision=DOT_PREC)
         m_i = m_new
@@ -212,10 +234,12 @@ def _attn_fwd_kernel(
     WS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    h_kv = (h // GROUPS).to(tl.int64)
-    h = h.to(tl.int64)
+    h32 = tl.program_id(1)
+    b32 = tl.program_id(2)
+    hkv32 = h32 // GROUPS  # descriptor coordinates are 32-bit, pointer offsets 64-bit
+    b = b32.to(tl.int64)
+    h_kv = hkv32.to(tl.int64)
+    h = h32.to(tl.int64)
     # Multiples of ALIGN (vector_align): 16-byte loads and stores also for D = 40, 72, ...
     s_qb, s_qh, s_qn = aligned3(s_qb, s_qh, s_qn, ALIGN)
     s_kb, s_kh, s_kn = aligned3(s_kb, s_kh, s_kn, ALIGN)
@@ -238,19 +262,12 @@ def _attn_fwd_kernel(
     mask_dqk = offs_dqk < D_QK
     mask_dv = offs_dv < D_V
 
-    if TMA:  # tensor descriptors over this (batch, head)'s (N, D) slice: TMA copies, zero fill
-        q = _desc(Q + b * s_qb + h * s_qh, N_Q, D_QK, s_qn, BLOCK_M, BLOCK_DQK).load([m0, 0])
+    if TMA:  # Q..TV are host-made 4-D tensor descriptors (_set_tma_boxes): TMA copies, zero fill
+        q = _tma_tile(Q, b32, h32, m0)  # (BLOCK_M, BLOCK_DQK)
         tq = q
         if HAS_TQ:
-            tq = _desc(TQ + b * s_tqb + h * s_tqh, N_Q, D_QK, s_tqn, BLOCK_M, BLOCK_DQK).load([m0, 0])
-        k_src = _desc(K + b * s_kb + h_kv * s_kh, N_K, D_QK, s_kn, BLOCK_N, BLOCK_DQK)
-        tk_src = k_src
-        if HAS_TK:
-            tk_src = _desc(TK + b * s_tkb + h_kv * s_tkh, N_K, D_QK, s_tkn, BLOCK_N, BLOCK_DQK)
-        v_src = _desc(V + b * s_vb + h_kv * s_vh, N_K, D_V, s_vn, BLOCK_N, BLOCK_DV)
-        tv_src = v_src
-        if HAS_TV:
-            tv_src = _desc(TV + b * s_tvb + h_kv * s_tvh, N_K, D_V, s_tvn, BLOCK_N, BLOCK_DV)
+            tq = _tma_tile(TQ, b32, h32, m0)  # (BLOCK_M, BLOCK_DQK)
+        k_src, tk_src, v_src, tv_src = K, TK, V, TV
     else:
         qmask = mask_m[:, None] & mask_dqk[None, :]
         q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qn + offs_dqk[None, :] * s_qd,
@@ -283,13 +300,13 @@ def _attn_fwd_kernel(
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
-            m0 + causal_off, scale_log2, scale, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
+            m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False)
     if WS or CAUSAL or KEY_TAIL:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
-            m0 + causal_off, scale_log2, scale, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
+            m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
@@ -324,6 +341,9 @@ def _attn_fwd_kernel(
         tl.store(MU + row0 + out_rows, mu, mask=rmask)
 
 
+_attn_fwd_kernel.fn.fn.add_pre_run_hook(_set_tma_boxes)  # autotune -> heuristics -> jit
+
+
 # Launch counters: tests use them to prove that o and to come from one launch, and which path ran.
 launches = {"fwd": 0, "tma": 0}
 
@@ -341,15 +361,17 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
-    tma = use_tma((q, k, v, tq, tk, tv, o, to), jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k)
-    if tma and q.is_cuda:
-        ensure_tma_allocator()
+    inputs = [q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv]
+    tma = use_tma(inputs, jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k, layout=a.layout)
+    if tma:  # one host-made descriptor per slot (the box depends on the slot, even if q is k)
+        descs = [_tma_descriptor(x, a.layout) for x in (q, k, v)]
+        inputs = descs + [descs[i] if t is None else _tma_descriptor(t, a.layout)  # absent: q's, k's, v's
+                          for i, t in enumerate((tq, tk, tv))]
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(
             _attn_fwd_kernel, grid,
-            q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv,
-            o, o if to is None else to, lse, lse if mu is None else mu,
+            *inputs, o, o if to is None else to, lse, lse if mu is None else mu,
             *[s for st in strides for s in st],
             a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
