@@ -78,14 +78,14 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
 
 _TMA_MODES = {"auto", "0", "1"}
 # FLASHJVP_TMA when unset: "0". The TMA path is faster at D = 128 (1.94 vs 2.26 ms at B2 H24
-# N4096 on the H200) but its warp-specialized tiles, storing through TMA, left whole row blocks
-# of o, to, lse and mu unwritten, intermittently: the 64x64 tile (removed) in 6 of 20
-# all-tangent calls, the 128x64 tile once in the GPU tests of 2026-12-03 (fourth session).
-# Suspected: Triton 3.6 builds the descriptors on the device and fences them (fence.proxy.tensormap
-# acquire) in the first warp of a group only, while a second warp issues TMA copies with them.
-# Since then the outputs are stored through pointers on every path: in 12 calls each the 64x64
-# canary and the 128x64 tile wrote every row (benchmarks/NOTES.md, "2026-12-03, fifth session").
-# The loads still use device-built descriptors; a longer soak is due before "auto" is the default.
+# N4096 on the H200) but, with descriptors built on the device and TMA stores, its
+# warp-specialized tiles left whole row blocks of o, to, lse and mu unwritten, intermittently:
+# the 64x64 tile (removed) in 6 of 20 all-tangent calls, the 128x64 tile once in the GPU tests of
+# 2026-12-03 (fourth session). Suspected: Triton 3.6 fences a device-built descriptor
+# (fence.proxy.tensormap acquire) in the first warp of a group only, while a second warp issues
+# TMA copies with it. With pointer stores the 64x64 and 128x64 tiles then wrote every row in 12
+# calls each. Since then the path reads through descriptors made on the host (nothing to fence on
+# the device); that form has not run on a GPU yet (benchmarks/NOTES.md, "2026-12-03, fifth session").
 TMA_DEFAULT = "0"
 
 
