@@ -7,9 +7,10 @@ Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a z
 costs no matrix product.
 
 The ``TMA`` path (``use_tma``: off unless ``FLASHJVP_TMA`` asks for it, see ``TMA_DEFAULT``)
-loads every tile through tensor descriptors when the strides allow it (outputs are stored through
-pointers on both paths), and adds a warp-specialized 4-warp tile (``WS``: one masked key loop,
-split by Triton into a producer and two 64-row consumer partitions) to the autotune candidates.
+loads every tile through tensor descriptors made on the host (4-D over (B, H, N, D) storage)
+when the strides allow it (outputs are stored through pointers on both paths), and adds a
+warp-specialized 4-warp tile (``WS``: one masked key loop, split by Triton into a producer and
+two 64-row consumer partitions) to the autotune candidates.
 """
 
 from __future__ import annotations
