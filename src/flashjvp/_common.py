@@ -102,7 +102,7 @@ def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int, layout: str = "bhnd") -
     ``1`` wherever the tensors allow it. ``auto`` and ``1`` are for experiments only: with
     Triton 3.6 the path can leave outputs unwritten (see ``TMA_DEFAULT``).
     ``tensors``: the launch's inputs (``None`` skipped), the first a query, given in ``layout``;
-    all stored (B, H, N, D)-ordered (``heads_outside_sequence``)."""
+    all stored (B, H, N, D)-ordered (``tma_usable``)."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
@@ -113,31 +113,25 @@ def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int, layout: str = "bhnd") -
         if not (jvp and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
                 and _hopper(q.device.index)):
             return False
-    return tma_usable(tensors) and heads_outside_sequence(tensors, layout)
+    return tma_usable(tensors, layout)
 
 
-def heads_outside_sequence(tensors, layout: str) -> bool:
-    """Whether every tensor (``None`` skipped) is stored (B, H, N, D)-ordered: its head stride at
-    least its sequence stride (one head or one row fits either way). The TMA path's host-made
-    4-D descriptors need that order: over (B, N, H, D) storage Triton 3.6 failed to compile the
-    warp-specialized tile and spilled 264 B in the plain one (scripts/compile_report.py)."""
-    for x in tensors:
-        if x is not None:
-            h, n = (x.shape[1], x.shape[2]) if layout == "bhnd" else (x.shape[2], x.shape[1])
-            _, sh, sn, _ = strides_bhnd(x, layout)
-            if h > 1 and n > 1 and sn > sh:
-                return False
-    return True
-
-
-def tma_usable(tensors) -> bool:
-    """Whether tensor descriptors can address every tensor (``None`` skipped): unit stride
-    along the head dim, 16-byte aligned base and other strides in bytes (TMA's rules)."""
+def tma_usable(tensors, layout: str) -> bool:
+    """Whether the host-made 4-D tensor descriptors over (B, H, N, D) can address every tensor
+    (``None`` skipped), given in ``layout``: unit stride along the head dim, 16-byte aligned base
+    and other strides in bytes (TMA's rules), and (B, H, N, D) storage, i.e. a head stride at
+    least the sequence stride (one head or one row fits either way). Over (B, N, H, D) storage
+    Triton 3.6 failed to compile the warp-specialized tile and spilled 264 B in the plain one
+    (scripts/compile_report.py)."""
     for x in tensors:
         if x is None:
             continue
         elt = x.element_size()
         if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * elt % 16 for st in x.stride()[:-1]):
+            return False
+        h, n = (x.shape[1], x.shape[2]) if layout == "bhnd" else (x.shape[2], x.shape[1])
+        _, sh, sn, _ = strides_bhnd(x, layout)
+        if h > 1 and n > 1 and sn > sh:
             return False
     return True
 

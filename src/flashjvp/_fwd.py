@@ -362,12 +362,11 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
-    inputs = [q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv]
-    tma = use_tma(inputs, jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k, layout=a.layout)
-    if tma:  # one host-made descriptor per slot (the box depends on the slot, even if q is k)
-        descs = [_tma_descriptor(x, a.layout) for x in (q, k, v)]
-        inputs = descs + [descs[i] if t is None else _tma_descriptor(t, a.layout)  # absent: q's, k's, v's
-                          for i, t in enumerate((tq, tk, tv))]
+    tma = use_tma((q, k, v, tq, tk, tv), jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k, layout=a.layout)
+    # on the TMA path one descriptor per slot (the box depends on the slot, even if q is k)
+    arg = (lambda x: _tma_descriptor(x, a.layout)) if tma else (lambda x: x)  # noqa: E731
+    prim = [arg(x) for x in (q, k, v)]
+    inputs = prim + [p if t is None else arg(t) for p, t in zip(prim, (tq, tk, tv))]  # absent: q's, k's, v's
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(
