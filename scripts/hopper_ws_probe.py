@@ -26,6 +26,18 @@ from triton.compiler import ASTSource  # noqa: E402
 
 
 @triton.jit
+def _softmax_step(q, k, v, acc, m, l_sum):
+    """One key block of the online softmax: k (D, BN), v (BN, D) into acc (BM, D), m, l_sum (BM,)."""
+    s = tl.dot(q, k)  # (BM, BN)
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])  # (BM, BN)
+    alpha = tl.math.exp2(m - m_new)
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_new, l_sum
+
+
+@triton.jit
 def _probe_kernel(Q, K, V, O, N, stride_n, WS: tl.constexpr, TMA: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)  # (BM,)
@@ -47,13 +59,7 @@ def _probe_kernel(Q, K, V, O, N, stride_n, WS: tl.constexpr, TMA: tl.constexpr,
         else:
             k = tl.load(K + (start + offs_n)[None, :] * stride_n + offs_d[:, None])  # (D, BN)
             v = tl.load(V + (start + offs_n)[:, None] * stride_n + offs_d[None, :])  # (BN, D)
-        s = tl.dot(q, k)  # (BM, BN)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])  # (BM, BN)
-        alpha = tl.math.exp2(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m = m_new
+        acc, m, l_sum = _softmax_step(q, k, v, acc, m, l_sum)
     o = (acc / l_sum[:, None]).to(O.dtype.element_ty)  # (BM, D)
     if TMA:
         tl.make_tensor_descriptor(O, [N, D], [stride_n, 1], [BM, D]).store([tl.program_id(0) * BM, 0], o)
@@ -76,18 +82,18 @@ def _probe_host_desc_kernel(Qd, Kd, Vd, O, N, stride_n, WS: tl.constexpr, BM: tl
     for start in tl.range(0, N, BN, warp_specialize=WS):
         k = Kd.load([b, h, start, 0]).reshape(BN, D).T  # (D, BN)
         v = Vd.load([b, h, start, 0]).reshape(BN, D)  # (BN, D)
-        s = tl.dot(q, k)  # (BM, BN)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])  # (BM, BN)
-        alpha = tl.math.exp2(m - m_new)
-        l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m = m_new
+        acc, m, l_sum = _softmax_step(q, k, v, acc, m, l_sum)
     o = (acc / l_sum[:, None]).to(O.dtype.element_ty)  # (BM, D)
     tl.store(O + m0 * stride_n + rows[:, None] * stride_n + offs_d[None, :], o, mask=(rows < N - m0)[:, None])
 
 
-def _ptx_summary(ptx: str) -> str:
+def _compile_summary(kernel, signature, constexprs, warps: int) -> str:
+    """Compile ``kernel`` for sm_90a (2 stages) and count what its PTX holds, or say why it failed."""
+    try:
+        ptx = triton.compile(ASTSource(kernel, signature, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": warps, "num_stages": 2}).asm["ptx"]
+    except Exception as e:  # noqa: BLE001 - a probe: report the compiler's failure and go on
+        return f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
     count = lambda pattern: len(re.findall(pattern, ptx))  # noqa: E731
     return (f"setmaxnreg {count('setmaxnreg')}, wgmma {count('wgmma.mma_async')}, "
             f"TMA copies {count('cp.async.bulk.tensor')}, mbarrier {count('mbarrier')}, "
@@ -99,24 +105,14 @@ def probe_host_descriptors(ws: bool, warps: int, bm: int = 128) -> str:
                  "Vd": "tensordesc<bf16[1,1,64,128]>", "O": "*bf16", "N": "i32", "stride_n": "i32",
                  "WS": "constexpr", "BM": "constexpr", "BN": "constexpr", "D": "constexpr"}
     constexprs = {(6,): ws, (7,): bm, (8,): 64, (9,): 128}
-    try:
-        ptx = triton.compile(ASTSource(_probe_host_desc_kernel, signature, constexprs, {}),
-                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2}).asm["ptx"]
-    except Exception as e:  # noqa: BLE001 - a probe: report the compiler's failure and go on
-        return f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
-    return _ptx_summary(ptx)
+    return _compile_summary(_probe_host_desc_kernel, signature, constexprs, warps)
 
 
 def probe(ws: bool, tma: bool, warps: int) -> str:
     signature = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "N": "i32", "stride_n": "i32",
                  "WS": "constexpr", "TMA": "constexpr", "BM": "constexpr", "BN": "constexpr", "D": "constexpr"}
     constexprs = {(6,): ws, (7,): tma, (8,): 128, (9,): 64, (10,): 128}
-    try:
-        ptx = triton.compile(ASTSource(_probe_kernel, signature, constexprs, {}), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": warps, "num_stages": 2}).asm["ptx"]
-    except Exception as e:  # noqa: BLE001 - a probe: report the compiler's failure and go on
-        return f"compile failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
-    return _ptx_summary(ptx)
+    return _compile_summary(_probe_kernel, signature, constexprs, warps)
 
 
 def main() -> None:
