@@ -209,25 +209,23 @@ def test_tma_falls_back_when_descriptors_cannot_address(d, kind, monkeypatch):
 
 
 def test_tma_policy(monkeypatch):
-    """FLASHJVP_TMA: unset is ``0`` (never); ``auto`` never picks TMA for CPU tensors (nor, on the
+    """FLASHJVP_TMA: unset is ``auto``; ``auto`` never picks TMA for CPU tensors (nor, on the
     GPU, for head dims < 128, < 1024 keys, float32 or a plain forward: test_gpu.py); ``1`` whenever
     descriptors can address every tensor; other values are refused."""
     from flashjvp._common import TMA_DEFAULT, use_tma
 
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
-    assert TMA_DEFAULT == "0"
+    assert TMA_DEFAULT == "auto"
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
-    assert not use_tma([q], jvp=True, d_min=128, n_k=4096)
-    monkeypatch.setenv("FLASHJVP_TMA", "auto")
-    assert not use_tma([q], jvp=True, d_min=128, n_k=4096)
+    assert not use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "1")
-    assert use_tma([q, None], jvp=False, d_min=16, n_k=1)
-    assert not use_tma([q, q[..., ::2]], jvp=True, d_min=128, n_k=4096)
+    assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1)
+    assert not use_tma([q, q[..., ::2]], kv_tangents=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "0")
-    assert not use_tma([q], jvp=True, d_min=128, n_k=4096)
+    assert not use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "yes")
     with pytest.raises(ValueError, match="FLASHJVP_TMA must be one of .*got 'yes'"):
-        use_tma([q], jvp=True, d_min=128, n_k=4096)
+        use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -119,28 +119,33 @@ def test_pointer_tiles_full_size(tile, d, case, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize(("d", "n_k", "tangents", "dtype", "expected"),
-                         [(128, 1024, True, torch.bfloat16, 1), (64, 1024, True, torch.bfloat16, 0),
-                          (128, 1024, False, torch.bfloat16, 0), (128, 512, True, torch.bfloat16, 0),
-                          (128, 1024, True, torch.float32, 0)],
-                         ids=["d128-jvp", "d64-jvp", "d128-fwd", "d128-jvp-512-keys", "d128-jvp-fp32"])
+                         [(128, 1024, "qkv", torch.bfloat16, 1), (64, 1024, "qkv", torch.bfloat16, 0),
+                          (128, 1024, "", torch.bfloat16, 0), (128, 512, "qkv", torch.bfloat16, 0),
+                          (128, 1024, "qkv", torch.float32, 0), (128, 1024, "q", torch.bfloat16, 0)],
+                         ids=["d128-jvp", "d64-jvp", "d128-fwd", "d128-jvp-512-keys", "d128-jvp-fp32",
+                              "d128-tq-only"])
 def test_tma_auto_policy(d, n_k, tangents, dtype, expected, monkeypatch):
     """FLASHJVP_TMA=auto takes the TMA path only where it measured faster."""
     monkeypatch.setenv("FLASHJVP_TMA", "auto")
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, n_k, d, d, "bhnd", dtype, kinds=("contiguous",))
     before = fwd_launches["tma"]
     if tangents:
-        flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+        flashjvp.attention_jvp(q, k, v, tq, *((tk, tv) if tangents == "qkv" else (None, None)))
     else:
         flashjvp.attention(q, k, v)
     assert fwd_launches["tma"] - before == expected
 
 
-def test_tma_off_by_default(monkeypatch):
-    """Unset, FLASHJVP_TMA is 0: not even the shape auto would pick runs on the TMA path."""
+def test_tma_default_is_auto(monkeypatch):
+    """Unset, FLASHJVP_TMA is ``auto``: the shape auto picks runs on the TMA path; ``0`` turns it off."""
+    x = make_qkv(1, 2, 2, 256, 1024, 128, 128, "bhnd", torch.bfloat16, kinds=("contiguous",))
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
     before = fwd_launches["tma"]
-    flashjvp.attention_jvp(*make_qkv(1, 2, 2, 256, 1024, 128, 128, "bhnd", torch.bfloat16))
-    assert fwd_launches["tma"] == before
+    flashjvp.attention_jvp(*x)
+    assert fwd_launches["tma"] == before + 1
+    monkeypatch.setenv("FLASHJVP_TMA", "0")
+    flashjvp.attention_jvp(*x)
+    assert fwd_launches["tma"] == before + 1
 
 
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])

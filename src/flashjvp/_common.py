@@ -77,16 +77,16 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
 
 
 _TMA_MODES = {"auto", "0", "1"}
-# FLASHJVP_TMA when unset: "0". The TMA path is faster at D = 128 (1.94 vs 2.26 ms at B2 H24
-# N4096 on the H200) but, with descriptors built on the device and TMA stores, its
-# warp-specialized tiles left whole row blocks of o, to, lse and mu unwritten, intermittently:
-# the 64x64 tile (removed) in 6 of 20 all-tangent calls, the 128x64 tile once in the GPU tests of
-# 2026-12-03 (fourth session). Suspected: Triton 3.6 fences a device-built descriptor
-# (fence.proxy.tensormap acquire) in the first warp of a group only, while a second warp issues
-# TMA copies with it. With pointer stores the 64x64 and 128x64 tiles then wrote every row in 12
-# calls each. Since then the path reads through descriptors made on the host (nothing to fence on
-# the device); that form has not run on a GPU yet (benchmarks/NOTES.md, "2026-12-03, fifth session").
-TMA_DEFAULT = "0"
+# FLASHJVP_TMA when unset: "auto" (FLASHJVP_TMA=0 turns the path off). On the H200 the TMA path
+# took 1.82 ms against 2.26 for pointers at B2 H24 N4096 D128 (runs/2026-12-03t-fwd_jvp-d128.json). History
+# (benchmarks/NOTES.md, fifth and sixth sessions): with descriptors built on the device and TMA
+# stores, its warp-specialized tiles left whole row blocks unwritten (the 64x64 tile in 6 of 20
+# calls, the 128x64 tile once); with q, tq from the host Triton 3.6 split their load wrongly and
+# the kernel hung. In the present form (K..TV host-made, q, tq device-built, pointer stores) the
+# 128x64 tile, the only warp-specialized one in the autotune list, failed in none of 8000 soak
+# calls over two shapes, while the 64x64 tile (not in the list) still failed in 5 of 4000 calls
+# at B2 H24 N4096 and in every call of a causal GQA shape (runs/ws-soak-2026-12-03u.txt).
+TMA_DEFAULT = "auto"
 
 
 @functools.cache
@@ -94,13 +94,13 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int, layout: str = "bhnd") -> bool:
+def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int, layout: str = "bhnd") -> bool:
     """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
     warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA`` (unset:
     ``TMA_DEFAULT``, ``0``): ``0`` never; ``auto`` where the H200 measured it faster: forward+JVP
-    of 16-bit inputs with both head dims >= 128 and at least 1024 keys, on a Hopper GPU;
-    ``1`` wherever the tensors allow it. ``auto`` and ``1`` are for experiments only: with
-    Triton 3.6 the path can leave outputs unwritten (see ``TMA_DEFAULT``).
+    with a key or value tangent (``kv_tangents``; not tq alone, slower there) of 16-bit inputs
+    with both head dims >= 128 and at least 1024 keys, on a Hopper GPU;
+    ``1`` wherever the tensors allow it (for experiments: slower where ``auto`` says no).
     ``tensors``: the launch's inputs (``None`` skipped), the first a query, given in ``layout``;
     all stored (B, H, N, D)-ordered (``tma_usable``)."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
@@ -110,7 +110,7 @@ def use_tma(tensors, *, jvp: bool, d_min: int, n_k: int, layout: str = "bhnd") -
         return False
     if mode == "auto":  # the cheap tests first: tma_usable reads every tensor's strides (host time)
         q = tensors[0]
-        if not (jvp and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
+        if not (kv_tangents and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
                 and _hopper(q.device.index)):
             return False
     return tma_usable(tensors, layout)
@@ -134,6 +134,15 @@ def tma_usable(tensors, layout: str) -> bool:
         if h > 1 and n > 1 and sn > sh:
             return False
     return True
+
+
+def ensure_tma_allocator() -> None:
+    """Kernels that build tensor descriptors on the device need scratch memory from Triton's
+    allocator; set one backed by PyTorch's caching allocator unless the program has set its own."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def _next_power_of_2(n: int) -> int:

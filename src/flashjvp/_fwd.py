@@ -6,9 +6,10 @@ max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
 
-The ``TMA`` path (``use_tma``: off unless ``FLASHJVP_TMA`` asks for it, see ``TMA_DEFAULT``)
-loads every tile through tensor descriptors made on the host (4-D over (B, H, N, D) storage)
-when the strides allow it (outputs are stored through pointers on both paths), and adds a
+The ``TMA`` path (``use_tma``: on Hopper for 16-bit forward+JVP at head dim >= 128; see ``TMA_DEFAULT``)
+loads every tile through tensor descriptors when the strides allow it: K, V, tK, tV through
+4-D ones made on the host over (B, H, N, D) storage, q and tq through ones built in the kernel
+(outputs are stored through pointers on both paths); and it adds a
 warp-specialized 4-warp tile (``WS``: one masked key loop, split by Triton into a producer and
 two 64-row consumer partitions) to the autotune candidates.
 """
@@ -27,6 +28,7 @@ from flashjvp._common import (
     aligned3,
     dot_precision,
     empty_out,
+    ensure_tma_allocator,
     head_blocks,
     interpreting,
     keep_fitting,
@@ -67,13 +69,13 @@ _MAX_BLOCK_N = tl.constexpr(max(t[1] for t in _FWD_TILES + _FWD_JVP_D64_TILES + 
 
 def _set_tma_boxes(*args, **kwargs) -> None:
     """Pre-run hook of the kernel (every launch, whatever the config and however it was picked):
-    on the TMA path give the host-made descriptors of q, k, v, tq, tk, tv (the first six
-    arguments) the (1, 1, rows, BLOCK_D) box of the launched tile."""
-    if not isinstance(args[0], TensorDescriptor):
+    on the TMA path give the host-made descriptors of k, v, tk, tv (arguments 1, 2, 4, 5) the
+    (1, 1, BLOCK_N, BLOCK_D) box of the launched tile."""
+    if not isinstance(args[1], TensorDescriptor):
         return
-    bm, bn, dqk, dv = kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["BLOCK_DQK"], kwargs["BLOCK_DV"]
-    for i, (rows, d) in enumerate(((bm, dqk), (bn, dqk), (bn, dv), (bm, dqk), (bn, dqk), (bn, dv))):
-        args[i].block_shape = [1, 1, rows, d]
+    bn, dqk, dv = kwargs["BLOCK_N"], kwargs["BLOCK_DQK"], kwargs["BLOCK_DV"]
+    for i, d in ((1, dqk), (2, dv), (4, dqk), (5, dv)):
+        args[i].block_shape = [1, 1, bn, d]
 
 
 def _tma_descriptor(x: torch.Tensor, layout: str) -> TensorDescriptor:
@@ -120,6 +122,14 @@ def _tma_tile(desc, b, h, row):
     4-D tensor descriptor over (B, H, N, D) storage; rows past N and columns past D read as zero."""
     x = desc.load([b, h, row, 0])  # (1, 1, rows, D)
     return tl.reshape(x, [x.shape[2], x.shape[3]])  # (rows, D)
+
+
+@triton.jit
+def _q_tile(base, N, D, stride_n, row, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The (BLOCK_ROWS, BLOCK_D) tile at row ``row`` of one (batch, head)'s (N, D) matrix at
+    ``base`` (unit stride along D), through a descriptor built on the device; rows past N and
+    columns past D read as zero."""
+    return tl.make_tensor_descriptor(base, [N, D], [stride_n, 1], [BLOCK_ROWS, BLOCK_D]).load([row, 0])
 
 
 @triton.jit
@@ -263,11 +273,16 @@ def _attn_fwd_kernel(
     mask_dqk = offs_dqk < D_QK
     mask_dv = offs_dv < D_V
 
-    if TMA:  # Q..TV are host-made 4-D tensor descriptors (_set_tma_boxes): TMA copies, zero fill
-        q = _tma_tile(Q, b32, h32, m0)  # (BLOCK_M, BLOCK_DQK)
+    if TMA:
+        # q and tq through descriptors built here, K..TV through host-made 4-D ones
+        # (_set_tma_boxes). Not q from the host: Triton 3.6's WS partitioner splits a host-made
+        # descriptor's 128-row load into two copies of the whole box each, the second shifted 64
+        # along the batch instead of the sequence dim, both counted as one half: the H200 hung
+        # (benchmarks/NOTES.md, sixth session; triton-lang/triton#11587 is the 2-D form).
+        q = _q_tile(Q + b * s_qb + h * s_qh, N_Q, D_QK, s_qn, m0, BLOCK_M, BLOCK_DQK)  # (BLOCK_M, BLOCK_DQK)
         tq = q
         if HAS_TQ:
-            tq = _tma_tile(TQ, b32, h32, m0)  # (BLOCK_M, BLOCK_DQK)
+            tq = _q_tile(TQ + b * s_tqb + h * s_tqh, N_Q, D_QK, s_tqn, m0, BLOCK_M, BLOCK_DQK)  # (BLOCK_M, BLOCK_DQK)
         k_src, tk_src, v_src, tv_src = K, TK, V, TV
     else:
         qmask = mask_m[:, None] & mask_dqk[None, :]
@@ -362,11 +377,15 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
-    tma = use_tma((q, k, v, tq, tk, tv), jvp=jvp, d_min=min(a.d_qk, a.d_v), n_k=a.n_k, layout=a.layout)
-    # on the TMA path one descriptor per slot (the box depends on the slot, even if q is k)
+    tma = use_tma((q, k, v, tq, tk, tv), kv_tangents=tk is not None or tv is not None,
+                  d_min=min(a.d_qk, a.d_v), n_k=a.n_k, layout=a.layout)
+    # on the TMA path k, v, tk, tv go as host-made descriptors, one per slot (its box is set per
+    # launch); q and tq as tensors (the kernel builds their descriptors: scratch memory)
     arg = (lambda x: _tma_descriptor(x, a.layout)) if tma else (lambda x: x)  # noqa: E731
-    prim = [arg(x) for x in (q, k, v)]
-    inputs = prim + [p if t is None else arg(t) for p, t in zip(prim, (tq, tk, tv))]  # absent: q's, k's, v's
+    if tma:
+        ensure_tma_allocator()
+    kv = [arg(k), arg(v)]
+    inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
     grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(
