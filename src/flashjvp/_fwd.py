@@ -59,8 +59,9 @@ _FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
 # Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
 # 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py).
 # BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check); so is
-# 64x64: it left whole row blocks of o, to, lse and mu unwritten in 6 of 20 all-tangent calls
-# (runs/ws-nan-2026-12-03o.txt, runs/ws-stale-2026-12-03p.txt) and was never the fastest.
+# 64x64: it leaves whole row blocks of o, to, lse and mu unwritten (TMA stores: 6 of 20 calls;
+# pointer stores: 5 of 4000 at B2 H24 N4096 D128 and every call of a causal GQA shape,
+# runs/ws-soak-2026-12-03u.txt, where 128x64 failed in none of 8000) and was never the fastest.
 _FWD_WS_TILES = [(128, 64, 4, 2)]
 # KEY_TAIL (the launcher's flag) is N_K % _MAX_BLOCK_N != 0: without it N_K must be a multiple
 # of the launched BLOCK_N, which the kernel asserts when it compiles (a forced or new tile too).
