@@ -163,16 +163,54 @@ def test_repeated_calls_fresh_buffers(d):
         kept.append((args, check_jvp(*args, torch.bfloat16, causal="bottom_right" if i % 4 == 3 else False)))
 
 
-def test_side_stream_and_device_context():
-    q, k, v, tq, tk, tv = make_qkv(2, 4, 2, 333, 444, 64, 64, "bnhd", torch.bfloat16)
+# The pointer path (bnhd, D64) and the TMA path `auto` picks (contiguous bhnd, D128, 1024 keys),
+# whose device-built q descriptors take scratch memory from the allocator on the current stream.
+PATHS = [pytest.param((2, 4, 2, 333, 444, 64, "bnhd", None), 0, id="pointer"),
+         pytest.param((1, 4, 2, 777, 1024, 128, "bhnd", ("contiguous",)), 1, id="tma")]
+
+
+@pytest.mark.parametrize(("case", "tma"), PATHS)
+def test_side_stream_and_device_context(case, tma, monkeypatch):
+    monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+    b, hq, hkv, nq, nk, d, layout, kinds = case
+    q, k, v, tq, tk, tv = make_qkv(b, hq, hkv, nq, nk, d, d, layout, torch.bfloat16, kinds=kinds)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    before = fwd_launches["tma"]
     with torch.cuda.stream(stream):
-        o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, layout="bnhd")
+        o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, layout=layout)
     torch.cuda.current_stream().wait_stream(stream)
-    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, layout="bnhd")
+    assert fwd_launches["tma"] - before == tma
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, layout=layout)
     assert_close("o", o, truth[0], lowp[0], torch.bfloat16)
     assert_close("to", to, truth[1], lowp[1], torch.bfloat16)
+
+
+@pytest.mark.parametrize(("case", "tma"), PATHS)
+def test_cuda_graph_replay(case, tma, monkeypatch):
+    """Forward+JVP captured in a CUDA graph (after a warm-up call: tuning cannot run inside a
+    capture), replayed on new inputs copied into the captured buffers, each replay checked."""
+    monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+    b, hq, hkv, nq, nk, d, layout, kinds = case
+    static = make_qkv(b, hq, hkv, nq, nk, d, d, layout, torch.bfloat16, kinds=kinds)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flashjvp.attention_jvp(*static, layout=layout)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    before = fwd_launches["tma"]
+    with torch.cuda.graph(graph):
+        o, to = flashjvp.attention_jvp(*static, layout=layout)
+    assert fwd_launches["tma"] - before == tma
+    for _ in range(2):
+        fresh = make_qkv(b, hq, hkv, nq, nk, d, d, layout, torch.bfloat16, kinds=kinds)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        truth, lowp = jvp_refs(*fresh, layout=layout)
+        assert_close("o", o, truth[0], lowp[0], torch.bfloat16)
+        assert_close("to", to, truth[1], lowp[1], torch.bfloat16)
 
 
 @pytest.mark.parametrize(("d", "tma"), [(64, "0"), (128, "0"), (128, "1")], ids=["d64", "d128", "d128-tma"])
