@@ -4,6 +4,7 @@ lse or mu hold a NaN (a row never written) or differ by more than 0.05 from the 
 result for that set. Prints, per tile and shape, the calls run and the failing calls.
 
     PYTHONPATH=src python3 benchmarks/experiments/ws_soak.py --calls 3000 1:128,64,4,2,1 1:64,64,4,2,1
+        [--shapes b2h24n4096 gqa4-777x1333-br b1h12n32768 sa1000-causal] [--dtype fp16]
 
 Tiles as ``TMA:BM,BN,WARPS,STAGES,WS``; run from the repo root on the GPU."""
 import os
@@ -25,27 +26,33 @@ from tile_sweep import _force  # noqa: E402
 SHAPES = {  # (B, Hq, Hkv, N_q, N_k, D, causal)
     "b2h24n4096": (2, 24, 24, 4096, 4096, 128, False),
     "gqa4-777x1333-br": (1, 8, 2, 777, 1333, 128, "bottom_right"),
+    "b1h12n32768": (1, 12, 12, 32768, 32768, 128, False),
+    "sa1000-causal": (2, 4, 4, 1000, 1000, 128, True),
 }
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def config(bm, bn, w, st, ws):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": bool(ws)}, num_warps=w, num_stages=st)
 
 
-def inputs(b, hq, hkv, nq, nk, d, seed):
+def inputs(b, hq, hkv, nq, nk, d, seed, dtype):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda h, n: torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    r = lambda h, n: torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g)  # noqa: E731
     return [r(hq, nq), r(hkv, nk), r(hkv, nk), r(hq, nq), r(hkv, nk), r(hkv, nk)]
 
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--calls", type=int, default=1000)
 ap.add_argument("--seconds", type=float, default=60.0, help="per tile and shape, at most")
+ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["b2h24n4096", "gqa4-777x1333-br"])
+ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
 ap.add_argument("tiles", nargs="+")
 cli = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
-for name, (b, hq, hkv, nq, nk, d, causal) in SHAPES.items():
-    sets = [inputs(b, hq, hkv, nq, nk, d, seed) for seed in (0, 1)]
+for name in cli.shapes:
+    b, hq, hkv, nq, nk, d, causal = SHAPES[name]
+    sets = [inputs(b, hq, hkv, nq, nk, d, seed, DTYPES[cli.dtype]) for seed in (0, 1)]
     os.environ["FLASHJVP_TMA"] = "0"
     _force([config(128, 64, 8, 2, 0)])
     base = [[t.clone() for t in flashjvp.attention_jvp(*xs, causal=causal, return_lse=True)] for xs in sets]
@@ -63,4 +70,4 @@ for name, (b, hq, hkv, nq, nk, d, causal) in SHAPES.items():
             if nan or wrong:
                 bad.append(f"call {i}: nan={nan} wrong={wrong}")
             i += 1
-        print(f"{name} tma={path} {tile}: {i} calls, {len(bad)} failed " + "; ".join(bad[:8]), flush=True)
+        print(f"{name} {cli.dtype} tma={path} {tile}: {i} calls, {len(bad)} failed " + "; ".join(bad[:8]), flush=True)
