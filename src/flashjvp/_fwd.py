@@ -96,7 +96,7 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
     accumulators fit in registers; without autotuning keep the first that fits."""
     args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
     dqk, dv = args["BLOCK_DQK"], args["BLOCK_DV"]
-    elt = getattr(args["Q"], "base", args["Q"]).element_size()
+    elt = args["Q"].element_size()  # q is a tensor on both paths
     n_tan_kv = int(args["HAS_TK"]) * dqk + int(args["HAS_TV"]) * dv
     jvp = args["HAS_TQ"] or args["HAS_TK"] or args["HAS_TV"]
     d64_jvp = jvp and elt == 2 and dqk == dv == 64 and not args["TMA"]
