@@ -71,19 +71,23 @@ def test_ws_partitions_shift_rows_once(tmp_path):
             assert not splats, f"partition {i}: m0 + 64 broadcast into row indices: {splats[0][:200]}"
 
 
-@pytest.mark.parametrize("ws", [True, False], ids=["ws", "no-ws"])
-def test_tma_path_descriptors(ws, tmp_path):
+@pytest.mark.parametrize(("ws", "layout"), [(True, "bhnd"), (False, "bhnd"), (True, "bnhd")],
+                         ids=["ws", "no-ws", "ws-seq-major"])
+def test_tma_path_descriptors(ws, layout, tmp_path):
     """On the TMA path K, V, tK and tV are loaded with 4-D TMA copies through descriptors made on
     the host, q and tq with 2-D copies through descriptors built in the kernel (a host-made q
     descriptor hung the warp-specialized tile on the H200: Triton 3.6 split its load into two
     whole-box copies, the second shifted along the batch dim), and o, to, lse and mu are stored
     with plain stores: TMA stores through device-built descriptors left whole row blocks
-    unwritten on the H200 (benchmarks/NOTES.md, fifth and sixth sessions)."""
+    unwritten on the H200 (benchmarks/NOTES.md, fifth and sixth sessions). Sequence-major
+    storage ((B, N, H, D)) compiles the same way."""
     ptx = tmp_path / "tma.ptx"
     tile = ["128", "64", "4", "2"] if ws else ["128", "64", "8", "2"]
-    compile_report("--b", "1", "--h", "2", "--n", "1024", "--d", "128", "--tma", *(["--ws"] if ws else []),
-                   "--tile", *tile, DUMP_PTX=str(ptx))
+    compile_report("--b", "1", "--h", "2", "--n", "1024", "--d", "128", "--layout", layout, "--tma",
+                   *(["--ws"] if ws else []), "--tile", *tile, DUMP_PTX=str(ptx))
     text = ptx.read_text()
+    if ws:
+        assert "setmaxnreg" in text, "the key loop was not warp-specialized"
     loads = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.shared::cluster\.global", text)
     assert "4" in loads, f"no 4-D (host-made descriptor) TMA loads: {loads}"
     assert "2" in loads, f"no 2-D (device-built descriptor) TMA loads of q: {loads}"

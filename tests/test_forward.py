@@ -151,10 +151,11 @@ def test_forward_with_and_without_autograd(needs):
 
 
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv), layout, given tangents
-# (shape, layout, memory kind of every tensor, tangents given): the TMA path needs (B, H, N, D)
-# storage: contiguous bhnd, or bnhd with dims 1 and 2 swapped in memory
+# (shape, layout, memory kind of every tensor, tangents given): (B, H, N, D) storage (contiguous
+# bhnd, or bnhd with dims 1 and 2 swapped in memory), and (B, N, H, D) storage (contiguous bnhd)
 TMA_CASES = [
     pytest.param((1, 3, 1, 37, 19, 72, 72), "bnhd", "swapped", ("tq", "tk", "tv"), id="gqa3-37x19-d72-bnhd"),
+    pytest.param((1, 4, 2, 29, 45, 32, 32), "bnhd", "contiguous", ("tq", "tk", "tv"), id="gqa2-29x45-seq-major"),
     pytest.param((2, 2, 2, 5, 70, 40, 40), "bhnd", "contiguous", ("tq", "tv"), id="5x70-d40-no-tk"),
     pytest.param((1, 2, 2, 33, 33, 16, 16), "bhnd", "contiguous", (), id="33-d16-no-tangents"),
 ]
@@ -164,9 +165,10 @@ TMA_CASES = [
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "causal"])
 @pytest.mark.parametrize(("shape", "layout", "kind", "given"), TMA_CASES)
 def test_tma_path_matches_reference(shape, layout, kind, given, causal, ws, monkeypatch):
-    """FLASHJVP_TMA=1: q, K, V and the tangents are read through host-made 4-D tensor descriptors
-    (out-of-bounds rows and head-dim columns zero-filled by the copy itself), the outputs stored
-    through pointers; with ``WS`` one masked loop covers all key blocks. Runs in the interpreter."""
+    """FLASHJVP_TMA=1: K, V, tK, tV are read through host-made 4-D tensor descriptors, q and tq
+    through ones built in the kernel (out-of-bounds rows and head-dim columns zero-filled by the
+    copy itself), the outputs stored through pointers; with ``WS`` one masked loop covers all key
+    blocks. Runs in the interpreter."""
     seen = force_fwd_tile(monkeypatch, ws=ws, tma="1")
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, torch.float32, (kind,))
     kw = {n: t for n, t in (("tq", tq), ("tk", tk), ("tv", tv)) if n in given}
@@ -175,8 +177,9 @@ def test_tma_path_matches_reference(shape, layout, kind, given, causal, ws, monk
 
 
 def test_tma_path_self_attention_on_one_tensor(monkeypatch):
-    """q, k and v the same tensor (and the tangents another one): each slot still gets its own
-    descriptor, since the box of q's differs from k's (32-row query blocks, 16-key blocks here)."""
+    """q, k and v the same tensor (and the tangents another one): q is read through a descriptor
+    built in the kernel (32-row query blocks here), k and v through host-made ones, one per slot
+    (16-key blocks)."""
     seen = force_fwd_tile(monkeypatch, ws=False, tma="1", tile=(32, 16, 4, 1))
     x, tx = make_qkv(2, 2, 2, 50, 50, 32, 32, "bhnd", torch.float32, ("contiguous",))[::3]
     check_jvp(x, x, x, tx, tx, tx, torch.float32)
@@ -185,14 +188,18 @@ def test_tma_path_self_attention_on_one_tensor(monkeypatch):
 
 @pytest.mark.parametrize(("layout", "kinds"), [("bnhd", ("contiguous",)), ("bhnd", ("contiguous", "swapped"))],
                          ids=["bnhd-contiguous", "mixed"])
-def test_tma_falls_back_for_sequence_major_storage(layout, kinds, monkeypatch):
-    """Tensors stored (B, N, H, D) (contiguous bnhd, or swapped bhnd next to contiguous ones)
-    take the pointer path under FLASHJVP_TMA=1, with the same results: the host-made descriptors
-    are 4-D over (B, H, N, D) storage."""
+def test_tma_path_sequence_major_storage(layout, kinds, monkeypatch):
+    """Tensors stored (B, N, H, D) (contiguous bnhd, or swapped bhnd next to contiguous ones):
+    FLASHJVP_TMA=1 reads them through descriptors whose head stride is below the sequence stride,
+    with the reference's results; ``auto`` would keep them on the pointer path."""
+    from flashjvp._common import tma_usable
+
     seen = force_fwd_tile(monkeypatch, ws=False, tma="1")
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 21, 30, 32, 32, layout, torch.float32, kinds)
     check_jvp(q, k, v, tq, tk, tv, torch.float32, layout=layout)
-    assert seen == [False]
+    assert seen == [True]
+    assert tma_usable((q, k, v, tq, tk, tv), layout, any_order=True)
+    assert not tma_usable((q, k, v, tq, tk, tv), layout)
 
 
 @pytest.mark.parametrize(("d", "kind"), [(37, "contiguous"), (40, "strided")], ids=["d37", "strided"])

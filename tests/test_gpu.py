@@ -64,8 +64,8 @@ def test_backward_full_size(case, dtype):
         assert_close(name, g, ref, ref_lp, dtype)
 
 
-# The TMA path (FLASHJVP_TMA=1): q, k, v and the tangents stored (B, H, N, D), as its host-made
-# descriptors need: contiguous bhnd, or bnhd with dims 1 and 2 swapped in memory.
+# The TMA path (FLASHJVP_TMA=1): q, k, v and the tangents stored (B, H, N, D) (contiguous bhnd, or
+# bnhd with dims 1 and 2 swapped in memory), the order auto takes; and stored (B, N, H, D).
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv, causal), given tangents
 TMA_MATRIX = [
     pytest.param((2, 4, 4, 1024, 1024, 128, 128, False), "qkv", id="sa1024"),
@@ -77,9 +77,10 @@ TMA_MATRIX = [
 ]
 
 
-def _tma_case(case, given, layout, dtype):
+def _tma_case(case, given, layout, dtype, kind=None):
     *shape, causal = case
-    q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype, kinds=("contiguous" if layout == "bhnd" else "swapped",))
+    kind = kind or ("contiguous" if layout == "bhnd" else "swapped")  # default: (B, H, N, D) storage
+    q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype, kinds=(kind,))
     tk, tv = (tk, tv) if given == "qkv" else (None, None)
     before = fwd_launches["tma"]
     check_jvp(q, k, v, tq, tk, tv, dtype, causal=causal, layout=layout)
@@ -91,6 +92,16 @@ def _tma_case(case, given, layout, dtype):
 def test_tma_path_full_size(case, given, dtype, monkeypatch):
     monkeypatch.setenv("FLASHJVP_TMA", "1")
     _tma_case(case, given, "bhnd", dtype)
+
+
+@pytest.mark.parametrize("dtype", DT)
+@pytest.mark.parametrize(("case", "given"), TMA_MATRIX)
+def test_tma_path_sequence_major_full_size(case, given, dtype, monkeypatch):
+    """FLASHJVP_TMA=1 on tensors stored (B, N, H, D) (flash-attn's layout, contiguous): the
+    descriptors' head stride is below their sequence stride. ``auto`` does not take this path
+    until these tests have passed on a GPU."""
+    monkeypatch.setenv("FLASHJVP_TMA", "1")
+    _tma_case(case, given, "bnhd", dtype, kind="contiguous")
 
 
 @pytest.mark.parametrize("dtype", DT[:2])  # the prune keeps WS tiles to 16-bit inputs

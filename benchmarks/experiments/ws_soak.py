@@ -4,7 +4,7 @@ lse or mu hold a NaN (a row never written) or differ by more than 0.05 from the 
 result for that set. Prints, per tile and shape, the calls run and the failing calls.
 
     PYTHONPATH=src python3 benchmarks/experiments/ws_soak.py --calls 3000 1:128,64,4,2,1 1:64,64,4,2,1
-        [--shapes b2h24n4096 gqa4-777x1333-br b1h12n32768 sa1000-causal] [--dtype fp16]
+        [--shapes b2h24n4096 gqa4-777x1333-br b1h12n32768 sa1000-causal] [--dtype fp16] [--layout bnhd]
 
 Tiles as ``TMA:BM,BN,WARPS,STAGES,WS``; run from the repo root on the GPU."""
 import os
@@ -36,9 +36,13 @@ def config(bm, bn, w, st, ws):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": bool(ws)}, num_warps=w, num_stages=st)
 
 
-def inputs(b, hq, hkv, nq, nk, d, seed, dtype):
+def inputs(b, hq, hkv, nq, nk, d, seed, dtype, layout):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda h, n: torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+
+    def r(h, n):
+        shape = (b, h, n, d) if layout == "bhnd" else (b, n, h, d)
+        return torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+
     return [r(hq, nq), r(hkv, nk), r(hkv, nk), r(hq, nq), r(hkv, nk), r(hkv, nk)]
 
 
@@ -47,15 +51,17 @@ ap.add_argument("--calls", type=int, default=1000)
 ap.add_argument("--seconds", type=float, default=60.0, help="per tile and shape, at most")
 ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["b2h24n4096", "gqa4-777x1333-br"])
 ap.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+ap.add_argument("--layout", choices=["bhnd", "bnhd"], default="bhnd", help="bnhd: stored (B, N, H, D)")
 ap.add_argument("tiles", nargs="+")
 cli = ap.parse_args()
 print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
 for name in cli.shapes:
     b, hq, hkv, nq, nk, d, causal = SHAPES[name]
-    sets = [inputs(b, hq, hkv, nq, nk, d, seed, DTYPES[cli.dtype]) for seed in (0, 1)]
+    sets = [inputs(b, hq, hkv, nq, nk, d, seed, DTYPES[cli.dtype], cli.layout) for seed in (0, 1)]
     os.environ["FLASHJVP_TMA"] = "0"
     _force([config(128, 64, 8, 2, 0)])
-    base = [[t.clone() for t in flashjvp.attention_jvp(*xs, causal=causal, return_lse=True)] for xs in sets]
+    kw = {"causal": causal, "layout": cli.layout, "return_lse": True}
+    base = [[t.clone() for t in flashjvp.attention_jvp(*xs, **kw)] for xs in sets]
     for spec in cli.tiles:
         path, tile = spec.split(":")
         tile = tuple(int(x) for x in tile.split(","))
@@ -64,10 +70,11 @@ for name in cli.shapes:
         bad, t0, i = [], time.time(), 0
         while i < cli.calls and time.time() - t0 < cli.seconds:
             args = [t.clone() for t in sets[i % 2]]
-            out = flashjvp.attention_jvp(*args, causal=causal, return_lse=True)
+            out = flashjvp.attention_jvp(*args, **kw)
             nan = sum(int(torch.isnan(t).sum()) for t in out)
             wrong = sum(int(((t.float() - r.float()).abs() > 0.05).sum()) for t, r in zip(out, base[i % 2]))
             if nan or wrong:
                 bad.append(f"call {i}: nan={nan} wrong={wrong}")
             i += 1
-        print(f"{name} {cli.dtype} tma={path} {tile}: {i} calls, {len(bad)} failed " + "; ".join(bad[:8]), flush=True)
+        print(f"{name} {cli.dtype} {cli.layout} tma={path} {tile}: {i} calls, {len(bad)} failed "
+              + "; ".join(bad[:8]), flush=True)

@@ -97,12 +97,13 @@ def _hopper(index: int) -> bool:
 def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int, layout: str = "bhnd") -> bool:
     """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
     warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA`` (unset:
-    ``TMA_DEFAULT``, ``0``): ``0`` never; ``auto`` where the H200 measured it faster: forward+JVP
+    ``TMA_DEFAULT``, ``auto``): ``0`` never; ``auto`` where the H200 measured it faster: forward+JVP
     with a key or value tangent (``kv_tangents``; not tq alone, slower there) of 16-bit inputs
     with both head dims >= 128 and at least 1024 keys, on a Hopper GPU;
-    ``1`` wherever the tensors allow it (for experiments: slower where ``auto`` says no).
+    ``1`` wherever the tensors allow it, in either storage order (for experiments: slower where
+    ``auto`` says no; sequence-major storage not yet run on a GPU, see ``tma_usable``).
     ``tensors``: the launch's inputs (``None`` skipped), the first a query, given in ``layout``;
-    all stored (B, H, N, D)-ordered (``tma_usable``)."""
+    for ``auto`` all stored (B, H, N, D)-ordered (``tma_usable``)."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
@@ -113,22 +114,25 @@ def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int, layout: str = "
         if not (kv_tangents and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
                 and _hopper(q.device.index)):
             return False
-    return tma_usable(tensors, layout)
+    return tma_usable(tensors, layout, any_order=mode == "1")
 
 
-def tma_usable(tensors, layout: str) -> bool:
+def tma_usable(tensors, layout: str, *, any_order: bool = False) -> bool:
     """Whether the host-made 4-D tensor descriptors over (B, H, N, D) can address every tensor
     (``None`` skipped), given in ``layout``: unit stride along the head dim, 16-byte aligned base
-    and other strides in bytes (TMA's rules), and (B, H, N, D) storage, i.e. a head stride at
-    least the sequence stride (one head or one row fits either way). Over (B, N, H, D) storage
-    Triton 3.6 failed to compile the warp-specialized tile and spilled 264 B in the plain one
-    (scripts/compile_report.py)."""
+    and other strides in bytes (TMA's rules); unless ``any_order``, also (B, H, N, D) storage,
+    i.e. a head stride at least the sequence stride (one head or one row fits either way).
+    Sequence-major storage ((B, N, H, D), flash-attn's) gives a descriptor whose head stride is
+    below its sequence stride: the kernel compiles for sm_90a as for the other order (168
+    registers and warp specialization on the 128x64 tile), but has not run on a GPU."""
     for x in tensors:
         if x is None:
             continue
         elt = x.element_size()
         if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * elt % 16 for st in x.stride()[:-1]):
             return False
+        if any_order:
+            continue
         h, n = (x.shape[1], x.shape[2]) if layout == "bhnd" else (x.shape[2], x.shape[1])
         _, sh, sn, _ = strides_bhnd(x, layout)
         if h > 1 and n > 1 and sn > sh:
