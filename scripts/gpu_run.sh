@@ -5,8 +5,9 @@
 # probe (scripts/host_probe.py $PROBE_ARGS: GPU kernel time vs do_bench per call), models (model tests with their peak-memory
 # lines), sweep (scripts/tile_sweep.py $SWEEP_ARGS), demo (examples/meanflow_digits.py, GPU configuration),
 # tmacheck (the TMA path: each tile's error vs float64, then its GPU tests, -v so that a
-# run cut by its limit still names each finished test).
-# Limits: TEST_LIMIT, BENCH_LIMIT, BENCH2_LIMIT, PROBE_LIMIT, SWEEP_LIMIT, DEMO_LIMIT seconds; TEST_PATHS picks test files. Logs and results go to $OUT.
+# run cut by its limit still names each finished test), soak (benchmarks/experiments/ws_soak.py
+# $SOAK_ARGS), seqmajor (benchmarks/experiments/seq_major.py: (B, N, H, D) storage, pointer vs TMA).
+# Limits: TEST_LIMIT, BENCH_LIMIT, BENCH2_LIMIT, PROBE_LIMIT, SWEEP_LIMIT, DEMO_LIMIT, SOAK_LIMIT, SEQMAJOR_LIMIT seconds; TEST_PATHS picks test files. Logs and results go to $OUT.
 # Wheels in .whl/ (timm, diffusers: versions as in the Makefile) are installed first if present.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashjvp-gpu}  # the device tool returns what is written under $OUT
@@ -31,6 +32,13 @@ if has tmacheck; then
   FLASHJVP_AUTOTUNE=0 timeout ${TEST_LIMIT:-240} python3 -m pytest tests/test_gpu.py tests/test_forward.py -k tma -v -rfE \
     --tb=short -n 14 -p no:cacheprovider -p no:benchmark 2>&1 | tee "$OUT/tests_tma.log" | grep -E "FAILED|ERROR|passed|failed" | tail -30
   pkill -f "pytest" 2>/dev/null; sleep 2
+fi
+if has soak; then
+  timeout ${SOAK_LIMIT:-300} python3 benchmarks/experiments/ws_soak.py ${SOAK_ARGS:-1:128,64,4,2,1 1:64,64,4,2,1} \
+    2>&1 | grep -v Warn | tee "$OUT/soak.txt"
+fi
+if has seqmajor; then
+  FLASHJVP_POISON=0 timeout ${SEQMAJOR_LIMIT:-200} python3 benchmarks/experiments/seq_major.py 2>&1 | tee "$OUT/seq_major.txt"
 fi
 if has models; then
   timeout ${MODELS_LIMIT:-200} python3 -m pytest ${MODELS_TESTS:-tests/test_models.py -m gpu} -s -v --tb=short \
