@@ -59,10 +59,10 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
     B8 H16 N1024 D72 took 0.34 ms per call against 0.17 ms of GPU time. Here the key is read
     from the keyword arguments the kernel's ``key`` names (the launchers pass all of them by
     keyword) and the dtype of the first tensor (every other tensor of a launch has that dtype
-    or a fixed float32; a tensor descriptor's base tensor); the first call for a key tunes through
-    the Autotuner, later ones launch the picked config directly. ``kernel`` is
+    or a fixed float32; the first argument is a tensor on every path); the first call for a key
+    tunes through the Autotuner, later ones launch the picked config directly. ``kernel`` is
     ``@triton.autotune`` over ``@triton.heuristics`` whose rules read keyword arguments only."""
-    key = (kernel, getattr(args[0], "base", args[0]).dtype, *[kwargs[k] for k in kernel.keys])
+    key = (kernel, args[0].dtype, *[kwargs[k] for k in kernel.keys])
     config = _TUNED.get(key)
     if config is None:
         kernel[grid](*args, **kwargs)
@@ -118,8 +118,9 @@ def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int, layout: str = "
 
 
 def tma_usable(tensors, layout: str, *, any_order: bool = False) -> bool:
-    """Whether the host-made 4-D tensor descriptors over (B, H, N, D) can address every tensor
-    (``None`` skipped), given in ``layout``: unit stride along the head dim, 16-byte aligned base
+    """Whether tensor descriptors (host-made 4-D ones over a (B, H, N, D) view for k, v, tk, tv;
+    built in the kernel for q, tq) can address every tensor (``None`` skipped), given in
+    ``layout``: unit stride along the head dim, 16-byte aligned base
     and other strides in bytes (TMA's rules); unless ``any_order``, also (B, H, N, D) storage,
     i.e. a head stride at least the sequence stride (one head or one row fits either way).
     Sequence-major storage ((B, N, H, D), flash-attn's) gives a descriptor whose head stride is

@@ -80,8 +80,9 @@ def _set_tma_boxes(*args, **kwargs) -> None:
 
 
 def _tma_descriptor(x: torch.Tensor, layout: str) -> TensorDescriptor:
-    """4-D descriptor over ``x`` as (B, H, N, D) (its storage order: use_tma checked); the box is
-    set per launch by ``_set_tma_boxes``."""
+    """4-D descriptor over a (B, H, N, D) view of ``x`` (strides from ``strides_bhnd``, either
+    storage order; ``use_tma`` checked which it takes); the box is set per launch by
+    ``_set_tma_boxes``."""
     shape = x.shape if layout == "bhnd" else (x.shape[0], x.shape[2], x.shape[1], x.shape[3])
     return TensorDescriptor(x, list(shape), list(strides_bhnd(x, layout)), [1, 1, 1, 16])
 
