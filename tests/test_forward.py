@@ -1,5 +1,7 @@
 """Fused forward + JVP kernel against the float64 math reference."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -191,7 +193,7 @@ def test_tma_path_self_attention_on_one_tensor(monkeypatch):
 def test_tma_path_sequence_major_storage(layout, kinds, monkeypatch):
     """Tensors stored (B, N, H, D) (contiguous bnhd, or swapped bhnd next to contiguous ones):
     FLASHJVP_TMA=1 reads them through descriptors whose head stride is below the sequence stride,
-    with the reference's results; ``auto`` would keep them on the pointer path."""
+    with the reference's results; ``auto`` keeps them on the pointer path."""
     from flashjvp._common import tma_usable
 
     seen = force_fwd_tile(monkeypatch, ws=False, tma="1")
@@ -216,17 +218,26 @@ def test_tma_falls_back_when_descriptors_cannot_address(d, kind, monkeypatch):
 
 
 def test_tma_policy(monkeypatch):
-    """FLASHJVP_TMA: unset is ``auto``; ``auto`` never picks TMA for CPU tensors (nor, on the
-    GPU, for head dims < 128, < 1024 keys, float32 or a plain forward: test_gpu.py); ``1`` whenever
-    descriptors can address every tensor; other values are refused."""
+    """FLASHJVP_TMA: unset is ``0`` (the TMA path's warp-specialized tile left row blocks
+    unwritten on the H200); ``auto`` never picks TMA for CPU tensors (nor, on the GPU, for head
+    dims < 128, < 1024 keys, float32 or a plain forward: test_gpu.py); ``1`` whenever
+    descriptors can address every tensor, with a warning the first time; other values are refused."""
+    from flashjvp import _common
     from flashjvp._common import TMA_DEFAULT, use_tma
 
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
-    assert TMA_DEFAULT == "auto"
+    assert TMA_DEFAULT == "0"
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
     assert not use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
+    monkeypatch.setenv("FLASHJVP_TMA", "auto")
+    assert not use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "1")
-    assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1)
+    monkeypatch.setattr(_common, "_tma_warned", False)
+    with pytest.warns(RuntimeWarning, match=r"FLASHJVP_TMA=1: .* row blocks of the outputs unwritten"):
+        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1)
     assert not use_tma([q, q[..., ::2]], kv_tangents=True, d_min=128, n_k=4096)
     monkeypatch.setenv("FLASHJVP_TMA", "0")
     assert not use_tma([q], kv_tangents=True, d_min=128, n_k=4096)

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -77,16 +78,18 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
 
 
 _TMA_MODES = {"auto", "0", "1"}
-# FLASHJVP_TMA when unset: "auto" (FLASHJVP_TMA=0 turns the path off). On the H200 the TMA path
-# took 1.82 ms against 2.26 for pointers at B2 H24 N4096 D128 (runs/2026-12-03t-fwd_jvp-d128.json). History
-# (benchmarks/NOTES.md, fifth and sixth sessions): with descriptors built on the device and TMA
-# stores, its warp-specialized tiles left whole row blocks unwritten (the 64x64 tile in 6 of 20
-# calls, the 128x64 tile once); with q, tq from the host Triton 3.6 split their load wrongly and
-# the kernel hung. In the present form (K..TV host-made, q, tq device-built, pointer stores) the
-# 128x64 tile, the only warp-specialized one in the autotune list, failed in none of 8000 soak
-# calls over two shapes, while the 64x64 tile (not in the list) still failed in 5 of 4000 calls
-# at B2 H24 N4096 and in every call of a causal GQA shape (runs/ws-soak-2026-12-03u.txt).
-TMA_DEFAULT = "auto"
+# FLASHJVP_TMA when unset: "0", the pointer path. The TMA path (its warp-specialized 128x64 tile:
+# 1.82 ms against 2.26 for pointers at B2 H24 N4096 D128, runs/2026-12-03t-fwd_jvp-d128.json) was
+# the default ("auto") from 596f685 until a longer soak left one whole 128-row block of o, to, lse
+# and mu unwritten in 4 of 4889 calls at that shape (runs/ws-soak-2026-12-03w.txt; none in 8000
+# calls the session before, and none in 35000 calls of three other shapes). Triton 3.6's
+# warp-specialized tiles did this in every form tried (benchmarks/NOTES.md, fourth to seventh
+# sessions): a silent wrong answer, so "auto" and "1" are for experiments only and warn.
+TMA_DEFAULT = "0"
+_TMA_WARNING = ("FLASHJVP_TMA={}: the TMA path's warp-specialized tile (Triton 3.6) has left whole "
+                "row blocks of the outputs unwritten in about 1 of 1200 calls on an H200 "
+                "(benchmarks/NOTES.md); use it for experiments only")
+_tma_warned = False
 
 
 @functools.cache
@@ -97,11 +100,12 @@ def _hopper(index: int) -> bool:
 def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int, layout: str = "bhnd") -> bool:
     """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
     warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA`` (unset:
-    ``TMA_DEFAULT``, ``auto``): ``0`` never; ``auto`` where the H200 measured it faster: forward+JVP
+    ``TMA_DEFAULT``, ``0``): ``0`` never; ``auto`` (experimental, warns once: see ``TMA_DEFAULT``)
+    where the H200 measured it faster: forward+JVP
     with a key or value tangent (``kv_tangents``; not tq alone, slower there) of 16-bit inputs
     with both head dims >= 128 and at least 1024 keys, on a Hopper GPU;
-    ``1`` wherever the tensors allow it, in either storage order (for experiments: slower where
-    ``auto`` says no; sequence-major storage not yet run on a GPU, see ``tma_usable``).
+    ``1`` (experimental, warns once) wherever the tensors allow it, in either storage order
+    (slower where ``auto`` says no).
     ``tensors``: the launch's inputs (``None`` skipped), the first a query, given in ``layout``;
     for ``auto`` all stored (B, H, N, D)-ordered (``tma_usable``)."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
@@ -114,7 +118,12 @@ def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int, layout: str = "
         if not (kv_tangents and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
                 and _hopper(q.device.index)):
             return False
-    return tma_usable(tensors, layout, any_order=mode == "1")
+    usable = tma_usable(tensors, layout, any_order=mode == "1")
+    global _tma_warned
+    if usable and not _tma_warned:
+        _tma_warned = True
+        warnings.warn(_TMA_WARNING.format(mode), RuntimeWarning, stacklevel=4)
+    return usable
 
 
 def tma_usable(tensors, layout: str, *, any_order: bool = False) -> bool:
@@ -124,8 +133,8 @@ def tma_usable(tensors, layout: str, *, any_order: bool = False) -> bool:
     and other strides in bytes (TMA's rules); unless ``any_order``, also (B, H, N, D) storage,
     i.e. a head stride at least the sequence stride (one head or one row fits either way).
     Sequence-major storage ((B, N, H, D), flash-attn's) gives a descriptor whose head stride is
-    below its sequence stride: the kernel compiles for sm_90a as for the other order (168
-    registers and warp specialization on the 128x64 tile), but has not run on a GPU."""
+    below its sequence stride: on the H200 that passed the GPU tests and ran as fast as the other
+    order (runs/seq-major-2026-12-03w.txt)."""
     for x in tensors:
         if x is None:
             continue

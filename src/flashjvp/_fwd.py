@@ -6,7 +6,7 @@ max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
 
-The ``TMA`` path (``use_tma``: on Hopper for 16-bit forward+JVP at head dim >= 128; see ``TMA_DEFAULT``)
+The experimental ``TMA`` path (``use_tma``: off unless ``FLASHJVP_TMA`` asks for it; see ``TMA_DEFAULT``)
 loads every tile through tensor descriptors when the strides allow it: K, V, tK, tV through
 4-D ones made on the host over (B, H, N, D) storage, q and tq through ones built in the kernel
 (outputs are stored through pointers on both paths); and it adds a
@@ -57,7 +57,9 @@ _FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
 # its fp32 tiles do not fit in registers.
 _FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
 # Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
-# 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py).
+# 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py). 128x64 also left whole row
+# blocks unwritten, in 4 of 4889 calls at B2 H24 N4096 D128 (runs/ws-soak-2026-12-03w.txt): the
+# reason the TMA path is off by default.
 # BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check); so is
 # 64x64: it leaves whole row blocks of o, to, lse and mu unwritten (TMA stores: 6 of 20 calls;
 # pointer stores: 5 of 4000 at B2 H24 N4096 D128 and every call of a causal GQA shape,
