@@ -88,10 +88,11 @@ def main() -> None:
     ap.add_argument("--tile", type=int, nargs=4, metavar=("BM", "BN", "WARPS", "STAGES"),
                     help="one tile to compile (default: each kernel's default tile)")
     ap.add_argument("--tma", action="store_true", help="forward: the tensor-descriptor path (FLASHJVP_TMA=1)")
-    ap.add_argument("--ws", action="store_true", help="forward: warp-specialize the key loop (needs --tma)")
+    ap.add_argument("--ws", action="store_true",
+                    help="forward: warp-specialize the key loop (with --tma: FLASHJVP_TMA=ws)")
     args = ap.parse_args()
     if args.tma:
-        os.environ["FLASHJVP_TMA"] = "1"
+        os.environ["FLASHJVP_TMA"] = "ws" if args.ws else "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     dv = args.dv or args.d
 

@@ -75,7 +75,7 @@ def sweep(b, h, n, d, mode, dtype, tiles, check=False, autotune=True):
         print(f"  autotuned [{picked}] -> {t:.4f} ms, in a CUDA graph {g:.4f} ms "
               f"(host adds {t - g:+.4f} ms)", flush=True)
     tma = use_tma(x if mode != "fwd" else x[:3], kv_tangents=mode != "fwd", d_min=d, n_k=n)
-    runnable = [c for c in full if not c.kwargs["WS"] or tma]
+    runnable = [c for c in full if not c.kwargs["WS"] or tma == 2]  # WS tiles: FLASHJVP_TMA=ws
     for c in tiles or runnable:
         _force([c])
         name = f"  {_tile_name(c)}"
@@ -104,7 +104,7 @@ def main():
                    help="skip the autotuned run (compiles every config) and time only the tiles")
     p.add_argument("--tiles", nargs="*", default=[],
                    help="BM,BN,WARPS,STAGES[,WS] tiles to time instead of the kernel's, e.g. 128,64,8,2 "
-                        "or 128,64,4,2,1 (warp-specialized; needs the TMA path: FLASHJVP_TMA)")
+                        "or 128,64,4,2,1 (warp-specialized; needs the TMA path: FLASHJVP_TMA=1 or ws)")
     a = p.parse_args()
     tiles = [triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "WS": len(t) > 4 and t[4] == 1},
                            num_warps=t[2], num_stages=t[3])

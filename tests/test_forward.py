@@ -167,15 +167,15 @@ TMA_CASES = [
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "causal"])
 @pytest.mark.parametrize(("shape", "layout", "kind", "given"), TMA_CASES)
 def test_tma_path_matches_reference(shape, layout, kind, given, causal, ws, monkeypatch):
-    """FLASHJVP_TMA=1: K, V, tK, tV are read through host-made 4-D tensor descriptors, q and tq
-    through ones built in the kernel (out-of-bounds rows and head-dim columns zero-filled by the
-    copy itself), the outputs stored through pointers; with ``WS`` one masked loop covers all key
-    blocks. Runs in the interpreter."""
-    seen = force_fwd_tile(monkeypatch, ws=ws, tma="1")
+    """FLASHJVP_TMA=1 (``ws`` for the warp-specialized tile): K, V, tK, tV are read through
+    host-made 4-D tensor descriptors, q and tq through ones built in the kernel (out-of-bounds
+    rows and head-dim columns zero-filled by the copy itself), the outputs stored through
+    pointers; with ``WS`` one masked loop covers all key blocks. Runs in the interpreter."""
+    seen = force_fwd_tile(monkeypatch, ws=ws, tma="ws" if ws else "1")
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, torch.float32, (kind,))
     kw = {n: t for n, t in (("tq", tq), ("tk", tk), ("tv", tv)) if n in given}
     check_jvp(q, k, v, kw.get("tq"), kw.get("tk"), kw.get("tv"), torch.float32, causal=causal, layout=layout)
-    assert seen == [True]
+    assert seen == [2 if ws else 1]
 
 
 def test_tma_path_self_attention_on_one_tensor(monkeypatch):
@@ -192,16 +192,15 @@ def test_tma_path_self_attention_on_one_tensor(monkeypatch):
                          ids=["bnhd-contiguous", "mixed"])
 def test_tma_path_sequence_major_storage(layout, kinds, monkeypatch):
     """Tensors stored (B, N, H, D) (contiguous bnhd, or swapped bhnd next to contiguous ones):
-    FLASHJVP_TMA=1 reads them through descriptors whose head stride is below the sequence stride,
-    with the reference's results; ``auto`` keeps them on the pointer path."""
+    the TMA path reads them through descriptors whose head stride is below the sequence stride,
+    with the reference's results."""
     from flashjvp._common import tma_usable
 
     seen = force_fwd_tile(monkeypatch, ws=False, tma="1")
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 21, 30, 32, 32, layout, torch.float32, kinds)
     check_jvp(q, k, v, tq, tk, tv, torch.float32, layout=layout)
     assert seen == [True]
-    assert tma_usable((q, k, v, tq, tk, tv), layout, any_order=True)
-    assert not tma_usable((q, k, v, tq, tk, tv), layout)
+    assert tma_usable((q, k, v, tq, tk, tv))
 
 
 @pytest.mark.parametrize(("d", "kind"), [(37, "contiguous"), (40, "strided")], ids=["d37", "strided"])
@@ -218,29 +217,32 @@ def test_tma_falls_back_when_descriptors_cannot_address(d, kind, monkeypatch):
 
 
 def test_tma_policy(monkeypatch):
-    """FLASHJVP_TMA: unset is ``0`` (the TMA path's warp-specialized tile left row blocks
-    unwritten on the H200); ``auto`` never picks TMA for CPU tensors (nor, on the GPU, for head
-    dims < 128, < 1024 keys, float32 or a plain forward: test_gpu.py); ``1`` whenever
-    descriptors can address every tensor, with a warning the first time; other values are refused."""
+    """FLASHJVP_TMA: unset is ``auto``, which never picks TMA for CPU tensors (nor, on the GPU,
+    for head dims < 128, < 1024 keys, float32, tq alone or a plain forward: test_gpu.py); ``1``
+    (path 1) whenever descriptors can address every tensor; ``ws`` (path 2: warp-specialized
+    tiles too) likewise, warning the first time; ``0`` never; other values are refused."""
     from flashjvp import _common
     from flashjvp._common import TMA_DEFAULT, use_tma
 
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
-    assert TMA_DEFAULT == "0"
+    assert TMA_DEFAULT == "auto"
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
-    assert not use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
-    monkeypatch.setenv("FLASHJVP_TMA", "auto")
-    assert not use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
+    assert use_tma([q], kv_tangents=True, d_min=128, n_k=4096) == 0
     monkeypatch.setenv("FLASHJVP_TMA", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1) == 1
+    assert use_tma([q, q[..., ::2]], kv_tangents=True, d_min=128, n_k=4096) == 0
+    monkeypatch.setenv("FLASHJVP_TMA", "ws")
     monkeypatch.setattr(_common, "_tma_warned", False)
-    with pytest.warns(RuntimeWarning, match=r"FLASHJVP_TMA=1: .* row blocks of the outputs unwritten"):
-        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1)
+    with pytest.warns(RuntimeWarning, match=r"FLASHJVP_TMA=ws: .* row blocks of the outputs unwritten"):
+        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1) == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
-        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1)
-    assert not use_tma([q, q[..., ::2]], kv_tangents=True, d_min=128, n_k=4096)
+        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1) == 2
+    assert use_tma([q, q[..., ::2]], kv_tangents=True, d_min=128, n_k=4096) == 0
     monkeypatch.setenv("FLASHJVP_TMA", "0")
-    assert not use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
+    assert use_tma([q], kv_tangents=True, d_min=128, n_k=4096) == 0
     monkeypatch.setenv("FLASHJVP_TMA", "yes")
     with pytest.raises(ValueError, match="FLASHJVP_TMA must be one of .*got 'yes'"):
         use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
@@ -248,8 +250,8 @@ def test_tma_policy(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_ws_tiles_kept_for_16_bit_tma_only(dtype, monkeypatch):
-    """The prune keeps warp-specialized tiles only on the TMA path with 16-bit inputs (float32
-    WS tiles compile without wgmma, with heavy spills)."""
+    """The prune keeps warp-specialized tiles only under FLASHJVP_TMA=ws (the kernel's TMA flag
+    2) with 16-bit inputs (float32 WS tiles compile without wgmma, with heavy spills)."""
     import triton
 
     from flashjvp._fwd import _prune_fwd_configs
@@ -259,9 +261,10 @@ def test_ws_tiles_kept_for_16_bit_tma_only(dtype, monkeypatch):
     plain = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "WS": False}, num_warps=4, num_stages=2)
     args = dict(BLOCK_DQK=32, BLOCK_DV=32, HAS_TQ=True, HAS_TK=True, HAS_TV=True)  # fits either way
     q = {"Q": torch.zeros(1, dtype=dtype)}
-    kept = _prune_fwd_configs([ws, plain], q, **args, TMA=True)
+    kept = _prune_fwd_configs([ws, plain], q, **args, TMA=2)
     assert kept == ([ws, plain] if dtype == torch.bfloat16 else [plain])
-    assert _prune_fwd_configs([ws, plain], q, **args, TMA=False) == [plain]
+    assert _prune_fwd_configs([ws, plain], q, **args, TMA=1) == [plain]
+    assert _prune_fwd_configs([ws, plain], q, **args, TMA=0) == [plain]
 
 
 @pytest.mark.parametrize(("dtype", "d", "tma", "tangents", "expected"), [

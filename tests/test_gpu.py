@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import flashjvp
+from flashjvp._common import last_config
 from flashjvp._fwd import _FWD_JVP_D64_TILES, _FWD_WS_TILES
 from flashjvp._fwd import launches as fwd_launches
-from helpers import DTYPE_IDS, assert_close, check_jvp, force_fwd_tile, grad_refs, jvp_refs, make_qkv
+from helpers import DTYPE_IDS, assert_close, check_jvp, force_fwd_tile, grad_refs, jvp_refs, make_qkv, spy_autotuner
 
 pytestmark = pytest.mark.gpu
 DT = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
@@ -108,7 +109,7 @@ def test_tma_path_sequence_major_full_size(case, given, dtype, monkeypatch):
                          + [pytest.param(None, id="tma-no-ws")])
 def test_tma_tiles_full_size(tile, dtype, monkeypatch):
     """Every warp-specialized tile of the autotune list (and the TMA path without WS)."""
-    force_fwd_tile(monkeypatch, ws=tile is not None, tma="1", tile=tile or (128, 32, 8, 3))
+    force_fwd_tile(monkeypatch, ws=tile is not None, tma="1" if tile is None else "ws", tile=tile or (128, 32, 8, 3))
     _tma_case((1, 8, 2, 777, 1333, 128, 128, "bottom_right"), "qkv", "bnhd", dtype)
 
 
@@ -146,14 +147,18 @@ def test_tma_auto_policy(d, n_k, tangents, dtype, expected, monkeypatch):
     assert fwd_launches["tma"] - before == expected
 
 
-def test_tma_default_is_off(monkeypatch):
-    """Unset, FLASHJVP_TMA is ``0``: a shape ``auto`` would put on the TMA path runs on pointers."""
+def test_tma_default_is_auto(monkeypatch):
+    """Unset, FLASHJVP_TMA is ``auto``: the shape auto picks runs on the TMA path, without the
+    warp-specialized tiles; ``0`` turns it off."""
     x = make_qkv(1, 2, 2, 256, 1024, 128, 128, "bhnd", torch.bfloat16, kinds=("contiguous",))
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+    seen = spy_autotuner(monkeypatch, "TMA")
     before = fwd_launches["tma"]
     flashjvp.attention_jvp(*x)
-    assert fwd_launches["tma"] == before
-    monkeypatch.setenv("FLASHJVP_TMA", "auto")
+    assert fwd_launches["tma"] == before + 1
+    assert seen == [1]
+    assert not last_config["_attn_fwd_kernel"]["WS"]
+    monkeypatch.setenv("FLASHJVP_TMA", "0")
     flashjvp.attention_jvp(*x)
     assert fwd_launches["tma"] == before + 1
 

@@ -77,18 +77,19 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> None:
     heuristics.fn[grid](*args, **kwargs, **flags, **config)
 
 
-_TMA_MODES = {"auto", "0", "1"}
-# FLASHJVP_TMA when unset: "0", the pointer path. The TMA path (its warp-specialized 128x64 tile:
-# 1.82 ms against 2.26 for pointers at B2 H24 N4096 D128, runs/2026-12-03t-fwd_jvp-d128.json) was
-# the default ("auto") from 596f685 until a longer soak left one whole 128-row block of o, to, lse
-# and mu unwritten in 4 of 4889 calls at that shape (runs/ws-soak-2026-12-03w.txt; none in 8000
-# calls the session before, and none in 35000 calls of three other shapes). Triton 3.6's
-# warp-specialized tiles did this in every form tried (benchmarks/NOTES.md, fourth to seventh
-# sessions): a silent wrong answer, so "auto" and "1" are for experiments only and warn.
-TMA_DEFAULT = "0"
-_TMA_WARNING = ("FLASHJVP_TMA={}: the TMA path's warp-specialized tile (Triton 3.6) has left whole "
-                "row blocks of the outputs unwritten in about 1 of 1200 calls on an H200 "
-                "(benchmarks/NOTES.md); use it for experiments only")
+_TMA_MODES = {"auto", "0", "1", "ws"}
+# FLASHJVP_TMA when unset: "auto", the TMA path without warp specialization where it measured
+# faster (use_tma). Its warp-specialized 128x64 tile was faster still (1.82 ms against 2.17 without
+# and 2.29 on pointers at B2 H24 N4096 D128: runs/2026-12-03t-fwd_jvp-d128.json, sweep-2026-12-03x.txt)
+# and was the default from 596f685 until a longer soak found it leaving a whole 128-row block of
+# o, to, lse and mu unwritten in 4 of 4889 and 1 of 10836 calls at that shape, where the same
+# tile without specialization failed in none of 9666 (runs/ws-soak-2026-12-03w.txt, -x.txt).
+# Triton 3.6's warp-specialized tiles did this in every form tried (benchmarks/NOTES.md, fourth
+# to seventh sessions): a silent wrong answer, so they run only under "ws", which warns.
+TMA_DEFAULT = "auto"
+_TMA_WARNING = ("FLASHJVP_TMA=ws: the warp-specialized tiles (Triton 3.6) have left whole row blocks "
+                "of the outputs unwritten (5 of 15725 calls at B2 H24 N4096 D128 on an H200, "
+                "benchmarks/NOTES.md); use them for experiments only")
 _tma_warned = False
 
 
@@ -97,55 +98,48 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int, layout: str = "bhnd") -> bool:
-    """Whether the forward kernel moves its tiles through tensor descriptors (TMA), with its
-    warp-specialized tiles among the autotune candidates. ``FLASHJVP_TMA`` (unset:
-    ``TMA_DEFAULT``, ``0``): ``0`` never; ``auto`` (experimental, warns once: see ``TMA_DEFAULT``)
-    where the H200 measured it faster: forward+JVP
-    with a key or value tangent (``kv_tangents``; not tq alone, slower there) of 16-bit inputs
-    with both head dims >= 128 and at least 1024 keys, on a Hopper GPU;
-    ``1`` (experimental, warns once) wherever the tensors allow it, in either storage order
-    (slower where ``auto`` says no).
-    ``tensors``: the launch's inputs (``None`` skipped), the first a query, given in ``layout``;
-    for ``auto`` all stored (B, H, N, D)-ordered (``tma_usable``)."""
+def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int) -> int:
+    """How the forward kernel moves its tiles: 0 through pointers; 1 through tensor descriptors
+    (TMA); 2 through descriptors with warp-specialized tiles among the autotune candidates.
+    ``FLASHJVP_TMA`` (unset: ``TMA_DEFAULT``, ``auto``): ``0`` never; ``auto`` (1) where the H200
+    measured it faster: forward+JVP with a key or value tangent (not tq alone, slower there) of
+    16-bit inputs with both head dims >= 128 and at least 1024 keys, on a Hopper GPU; ``1``
+    wherever the tensors allow it (slower where ``auto`` says no); ``ws`` (2) likewise, with the
+    warp-specialized tiles (experimental, warns once: see ``TMA_DEFAULT``). ``tensors``: the
+    launch's inputs (``None`` skipped), the first a query (``tma_usable``)."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
     if mode == "0":
-        return False
+        return 0
     if mode == "auto":  # the cheap tests first: tma_usable reads every tensor's strides (host time)
         q = tensors[0]
         if not (kv_tangents and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
                 and _hopper(q.device.index)):
-            return False
-    usable = tma_usable(tensors, layout, any_order=mode == "1")
+            return 0
+    if not tma_usable(tensors):
+        return 0
+    if mode != "ws":
+        return 1
     global _tma_warned
-    if usable and not _tma_warned:
+    if not _tma_warned:
         _tma_warned = True
-        warnings.warn(_TMA_WARNING.format(mode), RuntimeWarning, stacklevel=4)
-    return usable
+        warnings.warn(_TMA_WARNING, RuntimeWarning, stacklevel=4)
+    return 2
 
 
-def tma_usable(tensors, layout: str, *, any_order: bool = False) -> bool:
+def tma_usable(tensors) -> bool:
     """Whether tensor descriptors (host-made 4-D ones over a (B, H, N, D) view for k, v, tk, tv;
-    built in the kernel for q, tq) can address every tensor (``None`` skipped), given in
-    ``layout``: unit stride along the head dim, 16-byte aligned base
-    and other strides in bytes (TMA's rules); unless ``any_order``, also (B, H, N, D) storage,
-    i.e. a head stride at least the sequence stride (one head or one row fits either way).
-    Sequence-major storage ((B, N, H, D), flash-attn's) gives a descriptor whose head stride is
-    below its sequence stride: on the H200 that passed the GPU tests and ran as fast as the other
-    order (runs/seq-major-2026-12-03w.txt)."""
+    built in the kernel for q, tq) can address every tensor (``None`` skipped): unit stride along
+    the head dim, 16-byte aligned base and other strides in bytes (TMA's rules). Either storage
+    order: sequence-major storage ((B, N, H, D), flash-attn's) gives a descriptor whose head
+    stride is below its sequence stride; on the H200 that passed the GPU tests and ran as fast as
+    the other order (runs/seq-major-2026-12-03w.txt)."""
     for x in tensors:
         if x is None:
             continue
         elt = x.element_size()
         if x.stride(-1) != 1 or x.data_ptr() % 16 or any(st * elt % 16 for st in x.stride()[:-1]):
-            return False
-        if any_order:
-            continue
-        h, n = (x.shape[1], x.shape[2]) if layout == "bhnd" else (x.shape[2], x.shape[1])
-        _, sh, sn, _ = strides_bhnd(x, layout)
-        if h > 1 and n > 1 and sn > sh:
             return False
     return True
 

@@ -6,12 +6,13 @@ max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
 costs no matrix product.
 
-The experimental ``TMA`` path (``use_tma``: off unless ``FLASHJVP_TMA`` asks for it; see ``TMA_DEFAULT``)
-loads every tile through tensor descriptors when the strides allow it: K, V, tK, tV through
-4-D ones made on the host over (B, H, N, D) storage, q and tq through ones built in the kernel
-(outputs are stored through pointers on both paths); and it adds a
-warp-specialized 4-warp tile (``WS``: one masked key loop, split by Triton into a producer and
-two 64-row consumer partitions) to the autotune candidates.
+The ``TMA`` path (``use_tma``: on Hopper for 16-bit forward+JVP with key or value tangents at
+head dim >= 128; see ``TMA_DEFAULT``) loads every tile through tensor descriptors when the strides
+allow it: K, V, tK, tV through 4-D ones made on the host over a (B, H, N, D) view of either
+storage order, q and tq through ones built in the kernel (outputs are stored through pointers on
+both paths). Under ``FLASHJVP_TMA=ws`` only (experimental: Triton 3.6 leaves row blocks
+unwritten now and then) it adds a warp-specialized 4-warp tile (``WS``: one masked key loop,
+split by Triton into a producer and two 64-row consumer partitions) to the autotune candidates.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ _FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3),
 _FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
 # Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
 # 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py). 128x64 also left whole row
-# blocks unwritten, in 4 of 4889 calls at B2 H24 N4096 D128 (runs/ws-soak-2026-12-03w.txt): the
-# reason the TMA path is off by default.
+# blocks unwritten, in 4 of 4889 calls at B2 H24 N4096 D128 (runs/ws-soak-2026-12-03w.txt): so
+# these tiles run only under FLASHJVP_TMA=ws (TMA_DEFAULT).
 # BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check); so is
 # 64x64: it leaves whole row blocks of o, to, lse and mu unwritten (TMA stores: 6 of 20 calls;
 # pointer stores: 5 of 4000 at B2 H24 N4096 D128 and every call of a causal GQA shape,
@@ -89,8 +90,9 @@ def _tma_descriptor(x: torch.Tensor, layout: str) -> TensorDescriptor:
     return TensorDescriptor(x, list(shape), list(strides_bhnd(x, layout)), [1, 1, 1, 16])
 
 
-# Listed first, so that with FLASHJVP_AUTOTUNE=0 the TMA path runs one of them; the prune drops
-# them without TMA, and its fallback (the last config) is a plain tile.
+# Listed first, so that with FLASHJVP_AUTOTUNE=0 FLASHJVP_TMA=ws runs one of them; the prune drops
+# them on every other path (the kernel's TMA flag is 2 only there), and its fallback (the last
+# config) is a plain tile.
 _FWD_CONFIGS = ([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
 
 
@@ -108,7 +110,7 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
         bm, bn, ws = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["WS"]
         if d64_jvp:
             return (bm, bn, c.num_warps, c.num_stages) in _FWD_JVP_D64_TILES
-        if ws and not (args["TMA"] and elt == 2):
+        if ws and not (args["TMA"] == 2 and elt == 2):  # FLASHJVP_TMA=ws only (TMA_DEFAULT)
             # float32 WS tiles compile without wgmma or specialization, 32 registers and ~190 KB of
             # spills on sm_90a (scripts/compile_report.py --dtype fp32 --tma --ws)
             return False
@@ -382,7 +384,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
     tma = use_tma((q, k, v, tq, tk, tv), kv_tangents=tk is not None or tv is not None,
-                  d_min=min(a.d_qk, a.d_v), n_k=a.n_k, layout=a.layout)
+                  d_min=min(a.d_qk, a.d_v), n_k=a.n_k)
     # on the TMA path k, v, tk, tv go as host-made descriptors, one per slot (its box is set per
     # launch); q and tq as tensors (the kernel builds their descriptors: scratch memory)
     arg = (lambda x: _tma_descriptor(x, a.layout)) if tma else (lambda x: x)  # noqa: E731
@@ -405,5 +407,5 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
         )
     launches["fwd"] += 1
-    launches["tma"] += tma
+    launches["tma"] += tma > 0
     return o, to, lse, mu
