@@ -6,7 +6,9 @@ result for that set. Prints, per tile and shape, the calls run and the failing c
     PYTHONPATH=src python3 benchmarks/experiments/ws_soak.py --calls 3000 1:128,64,4,2,1 1:64,64,4,2,1
         [--shapes b2h24n4096 gqa4-777x1333-br b1h12n32768 sa1000-causal] [--dtype fp16] [--layout bnhd]
 
-Tiles as ``TMA:BM,BN,WARPS,STAGES,WS``; run from the repo root on the GPU."""
+Tiles as ``TMA:BM,BN,WARPS,STAGES,WS``, ``TMA`` the FLASHJVP_TMA value (a forced tile runs
+whatever the prune says: ``1:...,1`` and ``ws:...,1`` both run the warp-specialized tile); run
+from the repo root on the GPU."""
 import os
 
 os.environ["FLASHJVP_POISON"] = "1"

@@ -1,6 +1,7 @@
-"""flashjvp's forward+JVP under each ``FLASHJVP_TMA`` setting: ``auto`` (the policy),
-``tma`` (forced on) and ``pointers`` (off), as ``--kernel``s for the benchmark, so that one run
-times them next to the default:
+"""flashjvp's forward+JVP under each ``FLASHJVP_TMA`` setting: ``auto`` (the policy, the
+default), ``tma`` (``1``: forced on), ``ws`` (``ws``: on, with the experimental warp-specialized
+tiles; before a4c0031 ``1`` meant this) and ``pointers`` (``0``: off), as ``--kernel``s for the
+benchmark, so that one run times them next to the default:
 
     python -m flashjvp.bench --modes fwd_jvp \
         --kernel flashjvp-auto=benchmarks/kernels/flashjvp_paths.py:auto \
@@ -26,6 +27,10 @@ def _with_tma(mode: str, q, k, v, tq, tk, tv, causal, scale):
 
 def tma(q, k, v, tq, tk, tv, causal, scale):
     return _with_tma("1", q, k, v, tq, tk, tv, causal, scale)
+
+
+def ws(q, k, v, tq, tk, tv, causal, scale):
+    return _with_tma("ws", q, k, v, tq, tk, tv, causal, scale)
 
 
 def pointers(q, k, v, tq, tk, tv, causal, scale):
