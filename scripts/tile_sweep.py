@@ -74,7 +74,7 @@ def sweep(b, h, n, d, mode, dtype, tiles, check=False, autotune=True):
         g = triton.testing.do_bench_cudagraph(fn, return_mode="median")
         print(f"  autotuned [{picked}] -> {t:.4f} ms, in a CUDA graph {g:.4f} ms "
               f"(host adds {t - g:+.4f} ms)", flush=True)
-    tma = use_tma(x if mode != "fwd" else x[:3], kv_tangents=mode != "fwd", d_min=d, n_k=n)
+    tma = use_tma(x if mode != "fwd" else x[:3], kv_tangents=mode != "fwd", head_dims=(d, d), n_k=n)
     runnable = [c for c in full if not c.kwargs["WS"] or tma == 2]  # WS tiles: FLASHJVP_TMA=ws
     for c in tiles or runnable:
         _force([c])

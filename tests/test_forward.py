@@ -227,25 +227,25 @@ def test_tma_policy(monkeypatch):
     q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
     assert TMA_DEFAULT == "auto"
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
-    assert use_tma([q], kv_tangents=True, d_min=128, n_k=4096) == 0
+    assert use_tma([q], kv_tangents=True, head_dims=(128, 128), n_k=4096) == 0
     monkeypatch.setenv("FLASHJVP_TMA", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1) == 1
-    assert use_tma([q, q[..., ::2]], kv_tangents=True, d_min=128, n_k=4096) == 0
+        assert use_tma([q, None], kv_tangents=False, head_dims=(16, 16), n_k=1) == 1
+    assert use_tma([q, q[..., ::2]], kv_tangents=True, head_dims=(128, 128), n_k=4096) == 0
     monkeypatch.setenv("FLASHJVP_TMA", "ws")
     monkeypatch.setattr(_common, "_tma_warned", False)
     with pytest.warns(RuntimeWarning, match=r"FLASHJVP_TMA=ws: .* row blocks of the outputs unwritten"):
-        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1) == 2
+        assert use_tma([q, None], kv_tangents=False, head_dims=(16, 16), n_k=1) == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
-        assert use_tma([q, None], kv_tangents=False, d_min=16, n_k=1) == 2
-    assert use_tma([q, q[..., ::2]], kv_tangents=True, d_min=128, n_k=4096) == 0
+        assert use_tma([q, None], kv_tangents=False, head_dims=(16, 16), n_k=1) == 2
+    assert use_tma([q, q[..., ::2]], kv_tangents=True, head_dims=(128, 128), n_k=4096) == 0
     monkeypatch.setenv("FLASHJVP_TMA", "0")
-    assert use_tma([q], kv_tangents=True, d_min=128, n_k=4096) == 0
+    assert use_tma([q], kv_tangents=True, head_dims=(128, 128), n_k=4096) == 0
     monkeypatch.setenv("FLASHJVP_TMA", "yes")
     with pytest.raises(ValueError, match="FLASHJVP_TMA must be one of .*got 'yes'"):
-        use_tma([q], kv_tangents=True, d_min=128, n_k=4096)
+        use_tma([q], kv_tangents=True, head_dims=(128, 128), n_k=4096)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -131,9 +131,10 @@ def test_pointer_tiles_full_size(tile, d, case, dtype, monkeypatch):
 
 @pytest.mark.parametrize(("d", "n_k", "tangents", "dtype", "expected"),
                          [(128, 1024, "qkv", torch.bfloat16, 1), (64, 1024, "qkv", torch.bfloat16, 0),
+                          (256, 1024, "qkv", torch.bfloat16, 0),
                           (128, 1024, "", torch.bfloat16, 0), (128, 512, "qkv", torch.bfloat16, 0),
                           (128, 1024, "qkv", torch.float32, 0), (128, 1024, "q", torch.bfloat16, 0)],
-                         ids=["d128-jvp", "d64-jvp", "d128-fwd", "d128-jvp-512-keys", "d128-jvp-fp32",
+                         ids=["d128-jvp", "d64-jvp", "d256-jvp", "d128-fwd", "d128-jvp-512-keys", "d128-jvp-fp32",
                               "d128-tq-only"])
 def test_tma_auto_policy(d, n_k, tangents, dtype, expected, monkeypatch):
     """FLASHJVP_TMA=auto takes the TMA path only where it measured faster."""

@@ -98,12 +98,13 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int) -> int:
+def use_tma(tensors, *, kv_tangents: bool, head_dims: tuple[int, int], n_k: int) -> int:
     """How the forward kernel moves its tiles: 0 through pointers; 1 through tensor descriptors
     (TMA); 2 through descriptors with warp-specialized tiles among the autotune candidates.
     ``FLASHJVP_TMA`` (unset: ``TMA_DEFAULT``, ``auto``): ``0`` never; ``auto`` (1) where the H200
     measured it faster: forward+JVP with a key or value tangent (not tq alone, slower there) of
-    16-bit inputs with both head dims >= 128 and at least 1024 keys, on a Hopper GPU; ``1``
+    16-bit inputs with head dims (``head_dims``: Dqk, Dv) of 128 (not timed at 256) and at least
+    1024 keys, on a Hopper GPU; ``1``
     wherever the tensors allow it (slower where ``auto`` says no); ``ws`` (2) likewise, with the
     warp-specialized tiles (experimental, warns once: see ``TMA_DEFAULT``). ``tensors``: the
     launch's inputs (``None`` skipped), the first a query (``tma_usable``)."""
@@ -114,7 +115,7 @@ def use_tma(tensors, *, kv_tangents: bool, d_min: int, n_k: int) -> int:
         return 0
     if mode == "auto":  # the cheap tests first: tma_usable reads every tensor's strides (host time)
         q = tensors[0]
-        if not (kv_tangents and d_min >= 128 and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
+        if not (kv_tangents and head_dims == (128, 128) and n_k >= 1024 and q.element_size() == 2 and q.is_cuda
                 and _hopper(q.device.index)):
             return 0
     if not tma_usable(tensors):

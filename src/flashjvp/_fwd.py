@@ -7,7 +7,7 @@ Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a z
 costs no matrix product.
 
 The ``TMA`` path (``use_tma``: on Hopper for 16-bit forward+JVP with key or value tangents at
-head dim >= 128; see ``TMA_DEFAULT``) loads every tile through tensor descriptors when the strides
+head dim 128; see ``TMA_DEFAULT``) loads every tile through tensor descriptors when the strides
 allow it: K, V, tK, tV through 4-D ones made on the host over a (B, H, N, D) view of either
 storage order, q and tq through ones built in the kernel (outputs are stored through pointers on
 both paths). Under ``FLASHJVP_TMA=ws`` only (experimental: Triton 3.6 leaves row blocks
@@ -384,7 +384,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
     tma = use_tma((q, k, v, tq, tk, tv), kv_tangents=tk is not None or tv is not None,
-                  d_min=min(a.d_qk, a.d_v), n_k=a.n_k)
+                  head_dims=(a.d_qk, a.d_v), n_k=a.n_k)
     # on the TMA path k, v, tk, tv go as host-made descriptors, one per slot (its box is set per
     # launch); q and tq as tensors (the kernel builds their descriptors: scratch memory)
     arg = (lambda x: _tma_descriptor(x, a.layout)) if tma else (lambda x: x)  # noqa: E731
