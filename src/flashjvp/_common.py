@@ -104,10 +104,10 @@ def use_tma(tensors, *, kv_tangents: bool, head_dims: tuple[int, int], n_k: int)
     ``FLASHJVP_TMA`` (unset: ``TMA_DEFAULT``, ``auto``): ``0`` never; ``auto`` (1) where the H200
     measured it faster: forward+JVP with a key or value tangent (not tq alone, slower there) of
     16-bit inputs with head dims (``head_dims``: Dqk, Dv) of 128 (not timed at 256) and at least
-    1024 keys, on a Hopper GPU; ``1``
-    wherever the tensors allow it (slower where ``auto`` says no); ``ws`` (2) likewise, with the
-    warp-specialized tiles (experimental, warns once: see ``TMA_DEFAULT``). ``tensors``: the
-    launch's inputs (``None`` skipped), the first a query (``tma_usable``)."""
+    1024 keys, on a Hopper GPU; ``1`` wherever the tensors allow it (slower where ``auto`` says
+    no); ``ws`` (2) likewise, with the warp-specialized tiles (experimental, warns once: see
+    ``TMA_DEFAULT``). ``tensors``: the launch's inputs (``None`` skipped), the first a query
+    (``tma_usable``)."""
     mode = os.environ.get("FLASHJVP_TMA", TMA_DEFAULT)
     if mode not in _TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA must be one of {sorted(_TMA_MODES)}, got {mode!r}")
