@@ -55,6 +55,12 @@ def _force(configs):
     _common._TUNED.clear()  # launch_tuned's picked configs
 
 
+def parse_tile(spec: str) -> triton.Config:
+    """``BM,BN,WARPS,STAGES[,WS]`` -> one forward config (``WS`` 1: warp-specialized key loop)."""
+    bm, bn, w, st, *ws = (int(x) for x in spec.split(","))
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": bool(ws) and ws[0] == 1}, num_warps=w, num_stages=st)
+
+
 def _tile_name(c) -> str:
     ws = " WS" if c.kwargs.get("WS") else ""
     return f"BM{c.kwargs['BLOCK_M']} BN{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}{ws}"
@@ -106,9 +112,7 @@ def main():
                    help="BM,BN,WARPS,STAGES[,WS] tiles to time instead of the kernel's, e.g. 128,64,8,2 "
                         "or 128,64,4,2,1 (warp-specialized; needs the TMA path: FLASHJVP_TMA=1 or ws)")
     a = p.parse_args()
-    tiles = [triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "WS": len(t) > 4 and t[4] == 1},
-                           num_warps=t[2], num_stages=t[3])
-             for t in ([int(x) for x in spec.split(",")] for spec in a.tiles)]
+    tiles = [parse_tile(spec) for spec in a.tiles]
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     for s in a.shapes:
         for mode in a.modes:

@@ -18,12 +18,11 @@ from flashjvp import _common, _fwd
 from flashjvp.bench import load_kernel
 
 sys.path.insert(0, "scripts")
-from tile_sweep import _force, _tile_name  # noqa: E402
+from tile_sweep import _force, _tile_name, parse_tile  # noqa: E402
 
 FULL = list(_fwd._attn_fwd_kernel.configs)
 SPECS = sys.argv[1:] or ["128,64,4,2,1", "128,64,4,3,1", "128,128,4,2,1", "128,64,8,3", "128,64,8,2"]
-TILES = [triton.Config({"BLOCK_M": t[0], "BLOCK_N": t[1], "WS": len(t) > 4 and t[4] == 1},
-                       num_warps=t[2], num_stages=t[3]) for t in ([int(v) for v in s.split(",")] for s in SPECS)]
+TILES = [parse_tile(spec) for spec in SPECS]
 try:  # the benchmark's loader stubs the missing flash_attn package (needed for backward only)
     load_kernel("reference=benchmarks/third_party/reference_jvp.py:attention")
     ref = sys.modules["flashjvp_bench_kernel_reference"]

@@ -23,7 +23,7 @@ import triton  # noqa: E402
 import flashjvp  # noqa: E402
 
 sys.path.insert(0, "scripts")
-from tile_sweep import _force  # noqa: E402
+from tile_sweep import _force, parse_tile  # noqa: E402
 
 SHAPES = {  # (B, Hq, Hkv, N_q, N_k, D, causal)
     "b2h24n4096": (2, 24, 24, 4096, 4096, 128, False),
@@ -32,10 +32,6 @@ SHAPES = {  # (B, Hq, Hkv, N_q, N_k, D, causal)
     "sa1000-causal": (2, 4, 4, 1000, 1000, 128, True),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def config(bm, bn, w, st, ws):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": bool(ws)}, num_warps=w, num_stages=st)
 
 
 def inputs(b, hq, hkv, nq, nk, d, seed, dtype, layout):
@@ -61,14 +57,14 @@ for name in cli.shapes:
     b, hq, hkv, nq, nk, d, causal = SHAPES[name]
     sets = [inputs(b, hq, hkv, nq, nk, d, seed, DTYPES[cli.dtype], cli.layout) for seed in (0, 1)]
     os.environ["FLASHJVP_TMA"] = "0"
-    _force([config(128, 64, 8, 2, 0)])
+    _force([parse_tile("128,64,8,2")])
     kw = {"causal": causal, "layout": cli.layout, "return_lse": True}
     base = [[t.clone() for t in flashjvp.attention_jvp(*xs, **kw)] for xs in sets]
     for spec in cli.tiles:
-        path, tile = spec.split(":")
-        tile = tuple(int(x) for x in tile.split(","))
+        path, tile_spec = spec.split(":")
+        tile = tuple(int(x) for x in tile_spec.split(","))  # printed with the result
         os.environ["FLASHJVP_TMA"] = path
-        _force([config(*tile)])
+        _force([parse_tile(tile_spec)])
         bad, t0, i = [], time.time(), 0
         while i < cli.calls and time.time() - t0 < cli.seconds:
             args = [t.clone() for t in sets[i % 2]]

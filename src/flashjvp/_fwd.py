@@ -84,7 +84,7 @@ def _set_tma_boxes(*args, **kwargs) -> None:
 
 def _tma_descriptor(x: torch.Tensor, layout: str) -> TensorDescriptor:
     """4-D descriptor over a (B, H, N, D) view of ``x`` (strides from ``strides_bhnd``, either
-    storage order; ``use_tma`` checked which it takes); the box is set per launch by
+    storage order; ``tma_usable`` checked that TMA can address it); the box is set per launch by
     ``_set_tma_boxes``."""
     shape = x.shape if layout == "bhnd" else (x.shape[0], x.shape[2], x.shape[1], x.shape[3])
     return TensorDescriptor(x, list(shape), list(strides_bhnd(x, layout)), [1, 1, 1, 16])
@@ -125,7 +125,7 @@ def _prune_fwd_configs(configs, named_args, **kwargs):
 @triton.jit
 def _tma_tile(desc, b, h, row):
     """The (rows, D) box at sequence position ``row`` of (batch ``b``, head ``h``) from a host-made
-    4-D tensor descriptor over (B, H, N, D) storage; rows past N and columns past D read as zero."""
+    4-D tensor descriptor over a (B, H, N, D) view; rows past N and columns past D read as zero."""
     x = desc.load([b, h, row, 0])  # (1, 1, rows, D)
     return tl.reshape(x, [x.shape[2], x.shape[3]])  # (rows, D)
 
