@@ -66,7 +66,7 @@ def test_backward_full_size(case, dtype):
 
 
 # The TMA path (FLASHJVP_TMA=1): q, k, v and the tangents stored (B, H, N, D) (contiguous bhnd, or
-# bnhd with dims 1 and 2 swapped in memory), the order auto takes; and stored (B, N, H, D).
+# bnhd with dims 1 and 2 swapped in memory); and stored (B, N, H, D). auto takes either order.
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv, causal), given tangents
 TMA_MATRIX = [
     pytest.param((2, 4, 4, 1024, 1024, 128, 128, False), "qkv", id="sa1024"),
@@ -99,7 +99,7 @@ def test_tma_path_full_size(case, given, dtype, monkeypatch):
 @pytest.mark.parametrize(("case", "given"), TMA_MATRIX)
 def test_tma_path_sequence_major_full_size(case, given, dtype, monkeypatch):
     """FLASHJVP_TMA=1 on tensors stored (B, N, H, D) (flash-attn's layout, contiguous): the
-    descriptors' head stride is below their sequence stride (``auto`` keeps them on pointers)."""
+    descriptors' head stride is below their sequence stride (``auto`` takes them too)."""
     monkeypatch.setenv("FLASHJVP_TMA", "1")
     _tma_case(case, given, "bnhd", dtype, kind="contiguous")
 

@@ -1,6 +1,6 @@
 """Forward+JVP on tensors stored (B, N, H, D) (flash-attn's layout, contiguous; ``layout="bnhd"``),
-bf16, all tangents: the pointer path (FLASHJVP_TMA=0) against the TMA path (FLASHJVP_TMA=1; ``auto``
-keeps such storage on pointers until this is measured), both autotuned, and the TMA path on the
+bf16, all tangents: the pointer path (FLASHJVP_TMA=0) against the TMA path (FLASHJVP_TMA=1; in
+run w that mode included the warp-specialized tile), both autotuned, and the TMA path on the
 same data stored (B, H, N, D) for comparison. Prints median ms, TFLOP/s (3x a forward) and the
 largest difference from the pointer path's outputs. Run from the repo root with PYTHONPATH=src on
 the GPU:
