@@ -6,7 +6,7 @@ GPU time is scarce; register spills and scalar (2-byte) loads are visible here f
 Tensors are CPU tensors; every Triton launch is intercepted, compiled for the target and skipped.
 
     python scripts/compile_report.py --b 8 --h 16 --n 1024 --d 72 [--mode fwd_jvp|fwd|bwd]
-        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]] [--tangents q]
+        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]] [--tangents q] [--split 132]
 
 ``DUMP_PTX=FILE`` / ``DUMP_TTGIR=FILE`` write the (last) kernel's PTX / TritonGPU IR.
 """
@@ -32,7 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from flashjvp import _bwd, _fwd  # noqa: E402
+from flashjvp import _bwd, _fwd, _split  # noqa: E402
 from flashjvp._validate import check_inputs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -90,7 +90,10 @@ def main() -> None:
     ap.add_argument("--tma", action="store_true", help="forward: the tensor-descriptor path (FLASHJVP_TMA=1)")
     ap.add_argument("--ws", action="store_true",
                     help="forward: warp-specialize the key loop (with --tma: FLASHJVP_TMA=ws)")
+    ap.add_argument("--split", type=int, default=0, metavar="SLOTS",
+                    help="forward: tail splitting as on a GPU with SLOTS SMs (e.g. 132; _split.py)")
     args = ap.parse_args()
+    _split.slots_override = args.split or None
     if args.tma:
         os.environ["FLASHJVP_TMA"] = "ws" if args.ws else "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

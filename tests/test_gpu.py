@@ -268,3 +268,49 @@ def test_forward_allocates_only_outputs(d, tma, monkeypatch):
     rows = 2 * 8 * 2048
     expected = 2 * o.numel() * o.element_size() + rows * 4 * 2  # o, to, lse (+ mu)
     assert extra <= expected + (1 << 20), f"forward+JVP allocated {extra} bytes, outputs need {expected}"
+
+
+@pytest.mark.parametrize("dtype", DT[:2])
+@pytest.mark.parametrize("tangents", ["qkv", "q", ""], ids=["all-tangents", "tq-only", "forward"])
+@pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
+def test_tail_split_full_size(d, tangents, dtype, monkeypatch):
+    """Tail splitting (_split.py) as on a GPU with 20 SMs: B1 H3 Nq1000 gives 24 (or 48) row
+    blocks of 128 (64) rows, whose last 4 (8) run as key shards over 2100 keys and are merged;
+    outputs NaN-filled, against float64. D128 with key tangents takes the TMA path."""
+    from flashjvp import _split
+
+    monkeypatch.setattr(_split, "slots_override", 20)
+    q, k, v, tq, tk, tv = make_qkv(1, 3, 3, 1000, 2100, d, d, "bhnd", dtype,
+                                   kinds=("contiguous", "swapped", "sliced"))
+    tq, tk, tv = (t if name in tangents else None for name, t in zip("qkv", (tq, tk, tv)))
+    before = dict(fwd_launches)
+    if tangents:
+        check_jvp(q, k, v, tq, tk, tv, dtype)
+    else:
+        o = flashjvp.attention(q, k, v)
+        ref = flashjvp.attention_ref(q.double(), k.double(), v.double())
+        assert_close("o", o, ref, flashjvp.attention_ref(q, k, v), dtype)
+    assert fwd_launches["split"] == before["split"] + 1, "the launch did not split its tail"
+
+
+def test_tail_split_allocates_only_scratch(monkeypatch):
+    """B1 H12 N32768 D128 forward+JVP (3072 row blocks, 36 in the last wave on 132 SMs: split in
+    3 shards): beyond the outputs, the per-row statistics and the shards' float32 scratch
+    (at most one 128-row block per SM), nothing."""
+    from flashjvp import _split
+
+    monkeypatch.setattr(_split, "slots_override", 132)
+    q, k, v, tq, tk, tv = make_qkv(1, 12, 12, 32768, 32768, 128, 128, "bhnd", torch.bfloat16, kinds=("contiguous",))
+    before = fwd_launches["split"]
+    flashjvp.attention_jvp(q, k, v, tq, tk, tv)  # warm-up / autotune
+    assert fwd_launches["split"] == before + 1
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    rows = 12 * 32768
+    scratch = 132 * 128 * (2 * 128 + 2) * 4
+    expected = 2 * o.numel() * o.element_size() + rows * 4 + scratch
+    assert extra <= expected + (1 << 20), f"forward+JVP allocated {extra} bytes, outputs and scratch need {expected}"

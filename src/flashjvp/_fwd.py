@@ -4,7 +4,8 @@ Per (batch, query head, block of BLOCK_M query rows) one program streams over th
 once, keeping the online-softmax state (MATH.md, "Online (tiled) form"):
 max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``acc_t`` and ``r``.
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
-costs no matrix product.
+costs no matrix product. Non-causal launches over long keys (``SPLIT``, _split.py) run on a 1-D
+grid whose last, partial wave of row blocks is split into key shards, merged by a second launch.
 
 The ``TMA`` path (``use_tma``: on Hopper for 16-bit forward+JVP with key or value tangents at
 head dim 128; see ``TMA_DEFAULT``) loads every tile through tensor descriptors when the strides
@@ -34,6 +35,7 @@ from flashjvp._common import (
     interpreting,
     keep_fitting,
     key_range,
+    last_config,
     launch_device,
     launch_tuned,
     length_bucket,
@@ -44,6 +46,7 @@ from flashjvp._common import (
     use_tma,
     vector_align,
 )
+from flashjvp._split import attn_merge, split_decode, split_grid, split_scratch, split_slots
 from flashjvp._validate import AttnArgs
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default of the pointer path.
@@ -69,6 +72,9 @@ _FWD_WS_TILES = [(128, 64, 4, 2)]
 # KEY_TAIL (the launcher's flag) is N_K % _MAX_BLOCK_N != 0: without it N_K must be a multiple
 # of the launched BLOCK_N, which the kernel asserts when it compiles (a forced or new tile too).
 _MAX_BLOCK_N = tl.constexpr(max(t[1] for t in _FWD_TILES + _FWD_JVP_D64_TILES + _FWD_WS_TILES))
+# Row-block heights of the candidates (16: the interpreter's tile): the tail-split scratch is
+# sized for the largest any of them needs.
+_BLOCK_MS = sorted({t[0] for t in _FWD_TILES + _FWD_JVP_D64_TILES + _FWD_WS_TILES} | {16})
 
 
 def _set_tma_boxes(*args, **kwargs) -> None:
@@ -231,7 +237,7 @@ def _fwd_inner(
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
-                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA"],
+                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"],
                  prune_configs_by={"early_config_prune": _prune_fwd_configs})
 @triton.heuristics({
     "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
@@ -239,20 +245,28 @@ def _fwd_inner(
 })
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, LSE, MU,
+    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
     s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
-    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    BATCH, H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, SLOTS, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    h32 = tl.program_id(1)
-    b32 = tl.program_id(2)
+    if SPLIT:  # a 1-D grid: row blocks in (batch, head, block) order, then the key shards (_split.py)
+        n_mb = tl.cdiv(N_Q, BLOCK_M)
+        block, shard, part, shards = split_decode(n_mb * H_Q * BATCH, SLOTS)
+        pid_m = block % n_mb
+        h32 = (block // n_mb) % H_Q
+        b32 = block // (n_mb * H_Q)
+    else:
+        pid_m = tl.program_id(0)
+        h32 = tl.program_id(1)
+        b32 = tl.program_id(2)
+        part = -1  # a whole row block
     hkv32 = h32 // GROUPS  # descriptor coordinates are 32-bit, pointer offsets 64-bit
     b = b32.to(tl.int64)
     h_kv = hkv32.to(tl.int64)
@@ -316,12 +330,18 @@ def _attn_fwd_kernel(
     # Without causality or a partial last key block (KEY_TAIL) the masked loop is not compiled.
     tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
     full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
+    lo = 0
+    if SPLIT:  # this program's shard of the key blocks: [lo, hi)
+        per_shard = tl.cdiv(tl.cdiv(hi, BLOCK_N), shards) * BLOCK_N  # keys, a multiple of BLOCK_N
+        lo = shard * per_shard
+        hi = tl.minimum(hi, lo + per_shard)
+        full_end = tl.minimum(tl.maximum(full_end, lo), hi)
     if WS:
-        full_end = 0
+        full_end = lo
     else:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, 0, full_end, N_K,
+            s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, lo, full_end, N_K,
             m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False)
     if WS or CAUSAL or KEY_TAIL:
@@ -344,30 +364,49 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)  # (BLOCK_M,)
     o = acc_o * inv_l[:, None]  # (BLOCK_M, BLOCK_DV)
-    rmask = out_rows < N_Q - row_base  # (BLOCK_M,)
-    omask = rmask[:, None] & mask_dv[None, :]  # (BLOCK_M, BLOCK_DV)
-    tl.store(O + b * s_ob + h * s_oh + row_base * s_on + out_rows[:, None] * s_on + offs_dv[None, :] * s_od,
-             o.to(O.dtype.element_ty), mask=omask)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
     inv_l_t = inv_l  # (BLOCK_M,) 1 / l, with the logit scale the key loop left out (no tV)
     if not HAS_TV:
         inv_l_t = inv_l * scale
     mu = r_i * inv_l_t  # (BLOCK_M,) tangent of lse (zero without tangents)
-    if HAS_TQ or HAS_TK or HAS_TV:
+    JVP: tl.constexpr = HAS_TQ or HAS_TK or HAS_TV
+    to = o
+    if JVP:
         to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
-        tl.store(TO + b * s_tob + h * s_toh + row_base * s_ton + out_rows[:, None] * s_ton + offs_dv[None, :] * s_tod,
-                 to.to(TO.dtype.element_ty), mask=omask)
-    row0 = (b * H_Q + h) * N_Q + row_base  # flat index of row_base in (B, H, N_Q)
-    tl.store(LSE + row0 + out_rows, lse, mask=rmask)
-    if STORE_MU:
-        tl.store(MU + row0 + out_rows, mu, mask=rmask)
+    if part >= 0:  # a key shard: float32 results of its keys, merged by _split.attn_merge
+        prow = part * BLOCK_M + rows  # (BLOCK_M,) scratch rows
+        tl.store(OP + prow[:, None] * BLOCK_DV + offs_dv[None, :], o)
+        if JVP:
+            tl.store(TOP + prow[:, None] * BLOCK_DV + offs_dv[None, :], to)
+        tl.store(LSEP + prow, lse)
+        tl.store(MUP + prow, mu)
+    else:
+        rmask = out_rows < N_Q - row_base  # (BLOCK_M,)
+        omask = rmask[:, None] & mask_dv[None, :]  # (BLOCK_M, BLOCK_DV)
+        tl.store(O + b * s_ob + h * s_oh + row_base * s_on + out_rows[:, None] * s_on + offs_dv[None, :] * s_od,
+                 o.to(O.dtype.element_ty), mask=omask)
+        if JVP:
+            tl.store(TO + b * s_tob + h * s_toh + row_base * s_ton + out_rows[:, None] * s_ton
+                     + offs_dv[None, :] * s_tod, to.to(TO.dtype.element_ty), mask=omask)
+        row0 = (b * H_Q + h) * N_Q + row_base  # flat index of row_base in (B, H, N_Q)
+        tl.store(LSE + row0 + out_rows, lse, mask=rmask)
+        if STORE_MU:
+            tl.store(MU + row0 + out_rows, mu, mask=rmask)
 
 
 _attn_fwd_kernel.fn.fn.add_pre_run_hook(_set_tma_boxes)  # autotune -> heuristics -> jit
 
 
+def _scratch_args(scratch, o, lse):
+    """The kernel's OP, TOP, LSEP, MUP: the tail-split scratch, or stand-ins it never touches."""
+    if scratch is None:
+        return o, o, lse, lse
+    op, top, lsep, mup = scratch
+    return op, op if top is None else top, lsep, mup
+
+
 # Launch counters: tests use them to prove that o and to come from one launch, and which path ran.
-launches = {"fwd": 0, "tma": 0}
+launches = {"fwd": 0, "tma": 0, "split": 0}
 
 
 def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
@@ -392,20 +431,30 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
         ensure_tma_allocator()
     kv = [arg(k), arg(v)]
     inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
-    grid = lambda meta: (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
+    # tail splitting (_split.py): a 1-D grid whose last programs are key shards of the last wave
+    slots = split_slots(q, causal=a.causal is not None, n_k=length_bucket(a.n_k), ws=tma == 2)
+    n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
+    scratch = split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in _BLOCK_MS}, a.n_k)
+    grid = lambda meta: ((split_grid(n_blocks(meta["BLOCK_M"]), slots, a.n_k),) if slots  # noqa: E731
+                         else (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch))
     with launch_device(q):
         launch_tuned(
             _attn_fwd_kernel, grid,
             *inputs, o, o if to is None else to, lse, lse if mu is None else mu,
+            *_scratch_args(scratch, o, lse),
             *[s for st in strides for s in st],
-            a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale,
+            a.batch, a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale, max(slots, 1),
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
             CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % _MAX_BLOCK_N.value != 0,
             HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
             STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
-            ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma,
+            ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma, SPLIT=slots > 0,
         )
+    if scratch:
+        bm = last_config["_attn_fwd_kernel"]["BLOCK_M"]
+        launches["split"] += attn_merge(o, to, lse, mu, scratch, strides[6:], h_q=a.h_q, n_q=a.n_q, d_v=a.d_v,
+                                        block_m=bm, block_dv=bdv, n_blocks=n_blocks(bm), slots=slots, n_k=a.n_k)
     launches["fwd"] += 1
     launches["tma"] += tma > 0
     return o, to, lse, mu

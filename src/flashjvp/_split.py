@@ -1,0 +1,174 @@
+"""Tail splitting for the forward kernel: the last, partial wave of row blocks runs in key shards.
+
+A long non-causal key loop makes every program (one block of query rows) take the same time, and
+the GPU runs about one such program per SM at a time. With ``W`` programs on ``S`` SMs the last
+wave holds only ``R = W % S`` of them while the other SMs idle: at B1 H12 N32768 D128 (3072
+programs of 128 rows, 132 SMs) that is 36 programs, a quarter of a wave, in a 24-wave run. When
+``R <= S / 2`` the forward kernel instead runs those ``R`` row blocks as ``s = S // R`` programs
+each (``s`` at most ``n_k // SPLIT_MIN_KEYS``), every one over a contiguous shard of the keys,
+which write ``o``, ``to``, ``lse`` and ``mu`` of their shard to a small float32 scratch
+(``S * BLOCK_M`` rows); ``attn_merge`` then combines the shards of each row exactly (MATH.md,
+"Merging partial results"):
+
+    LSE = logsumexp_i LSE_i ;  w_i = exp(LSE_i - LSE) ;  O = sum w_i O_i ;  mu = sum w_i mu_i
+    tO = sum w_i (tO_i + mu_i O_i) - mu O
+
+Programs are launched in order (full row blocks first, shards last), so the shards fill the
+SMs that the full blocks free.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashjvp._common import LN2_K, LOG2E_K, launch_device, new_buffer
+
+# A shard runs at least this many keys: shorter ones would spend more on the merge than they save.
+SPLIT_MIN_KEYS = 512
+# Tests set this to split on the CPU (Triton's interpreter) or to force a split on a GPU.
+slots_override: int | None = None
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_slots(q: torch.Tensor, *, causal: bool, n_k: int, ws: bool) -> int:
+    """Programs the GPU runs at once (its SM count: the long-key tiles take one SM each), or 0
+    when the launch must not split: causal (row blocks differ in work), a warp-specialized
+    launch, fewer than two shards' worth of keys, or ``FLASHJVP_TAIL_SPLIT=0``."""
+    if causal or ws or n_k < 2 * SPLIT_MIN_KEYS or os.environ.get("FLASHJVP_TAIL_SPLIT", "1") == "0":
+        return 0
+    if slots_override is not None:
+        return slots_override
+    return _sm_count(q.device.index) if q.is_cuda else 0
+
+
+def split_plan(n_blocks: int, slots: int, n_k: int) -> tuple[int, int]:
+    """``(n_full, shards)`` for ``n_blocks`` row-block programs on ``slots`` SMs: the first
+    ``n_full`` run whole, each later one as ``shards`` key shards (``shards == 1``: no split).
+    The kernel recovers both from its grid size (``split_decode``)."""
+    tail = n_blocks % slots if slots else 0
+    if tail == 0 or 2 * tail > slots:
+        return n_blocks, 1
+    shards = min(slots // tail, n_k // SPLIT_MIN_KEYS)
+    return (n_blocks - tail, shards) if shards > 1 else (n_blocks, 1)
+
+
+def split_grid(n_blocks: int, slots: int, n_k: int) -> int:
+    """Programs launched for ``split_plan``: full blocks plus ``shards`` per tail block."""
+    n_full, shards = split_plan(n_blocks, slots, n_k)
+    return n_full + (n_blocks - n_full) * shards
+
+
+@triton.jit
+def split_decode(n_blocks, SLOTS):
+    """In the kernel: ``(block, shard, part, shards)`` of this program under ``split_plan``
+    (``part``: index into the scratch, negative for a whole row block, which is one shard)."""
+    pid = tl.program_id(0)
+    tail = n_blocks % SLOTS
+    split = tl.num_programs(0) > n_blocks
+    n_full = n_blocks - tl.where(split, tail, 0)
+    shards = 1 + (tl.num_programs(0) - n_blocks) // tl.maximum(tail, 1)
+    part = pid - n_full
+    block = tl.where(part >= 0, n_full + part // shards, pid)
+    shard = tl.where(part >= 0, part % shards, 0)
+    return block, shard, part, tl.where(part >= 0, shards, 1)
+
+
+def split_scratch(slots: int, block_dv: int, jvp: bool, device, blocks: dict[int, int], n_k: int):
+    """float32 scratch of the shards, ``(o, to, lse, mu)`` (``to`` None without tangents), with
+    room for the largest tail any candidate tile would split (``blocks``: BLOCK_M -> row-block
+    programs); None where none of them splits (or ``slots`` is 0)."""
+    rows = 0
+    for bm, nb in blocks.items():
+        n_full, shards = split_plan(nb, slots, n_k) if slots else (nb, 1)
+        if shards > 1:
+            rows = max(rows, (nb - n_full) * shards * bm)
+    if not rows:
+        return None
+    o = new_buffer((rows, block_dv), torch.float32, device)
+    to = new_buffer((rows, block_dv), torch.float32, device) if jvp else None
+    return o, to, new_buffer((rows,), torch.float32, device), new_buffer((rows,), torch.float32, device)
+
+
+@triton.jit
+def _attn_merge_kernel(
+    O, TO, LSE, MU, OP, TOP, LSEP, MUP,
+    s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
+    H_Q, N_Q, D_V, N_FULL, SHARDS, BLOCK_M,
+    ROWS: tl.constexpr, BLOCK_DV: tl.constexpr, JVP: tl.constexpr, STORE_MU: tl.constexpr,
+):
+    """Program (i, j): rows [j * ROWS, (j + 1) * ROWS) of split row block N_FULL + i; merges its
+    SHARDS partial results into the outputs."""
+    t = N_FULL + tl.program_id(0)  # the row block, numbered as in the forward kernel
+    n_mb = tl.cdiv(N_Q, BLOCK_M)
+    bh = t // n_mb
+    m0 = (t % n_mb) * BLOCK_M + tl.program_id(1) * ROWS  # first row of this program
+    h = (bh % H_Q).to(tl.int64)
+    b = (bh // H_Q).to(tl.int64)
+    rows = tl.arange(0, ROWS)  # (ROWS,)
+    offs_dv = tl.arange(0, BLOCK_DV)  # (BLOCK_DV,)
+    first = tl.program_id(0) * SHARDS * BLOCK_M + tl.program_id(1) * ROWS  # scratch row of shard 0
+
+    m = tl.full([ROWS], float("-inf"), tl.float32)  # max over shards of lse_i
+    for i in range(SHARDS):
+        m = tl.maximum(m, tl.load(LSEP + first + i * BLOCK_M + rows))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # rows no shard saw a key of
+    z = tl.zeros([ROWS], tl.float32)
+    for i in range(SHARDS):
+        z += tl.math.exp2((tl.load(LSEP + first + i * BLOCK_M + rows) - m_safe) * LOG2E_K)
+    lse = tl.where(m == float("-inf"), float("-inf"), m_safe + tl.math.log2(tl.maximum(z, 1.0)) * LN2_K)
+    lse_safe = tl.where(m == float("-inf"), 0.0, lse)
+
+    o = tl.zeros([ROWS, BLOCK_DV], tl.float32)
+    acc_t = tl.zeros([ROWS, BLOCK_DV], tl.float32)  # sum w_i (tO_i + mu_i O_i)
+    mu = tl.zeros([ROWS], tl.float32)
+    for i in range(SHARDS):
+        part = first + i * BLOCK_M + rows  # (ROWS,) scratch rows
+        w = tl.math.exp2((tl.load(LSEP + part) - lse_safe) * LOG2E_K)  # (ROWS,), 0 for empty shards
+        o_i = tl.load(OP + part[:, None] * BLOCK_DV + offs_dv[None, :])  # (ROWS, BLOCK_DV)
+        o += w[:, None] * o_i
+        if JVP:
+            mu_i = tl.load(MUP + part)  # (ROWS,)
+            mu += w * mu_i
+            acc_t += w[:, None] * (tl.load(TOP + part[:, None] * BLOCK_DV + offs_dv[None, :]) + mu_i[:, None] * o_i)
+
+    rmask = rows < N_Q - m0  # (ROWS,)
+    omask = rmask[:, None] & (offs_dv < D_V)[None, :]  # (ROWS, BLOCK_DV)
+    tl.store(O + b * s_ob + h * s_oh + (m0 + rows)[:, None] * s_on + offs_dv[None, :] * s_od,
+             o.to(O.dtype.element_ty), mask=omask)
+    row0 = (b * H_Q + h) * N_Q + m0  # flat index of row m0 in (B, H, N_Q)
+    tl.store(LSE + row0 + rows, lse, mask=rmask)
+    if JVP:
+        to = acc_t - mu[:, None] * o  # (ROWS, BLOCK_DV)
+        tl.store(TO + b * s_tob + h * s_toh + (m0 + rows)[:, None] * s_ton + offs_dv[None, :] * s_tod,
+                 to.to(TO.dtype.element_ty), mask=omask)
+        if STORE_MU:
+            tl.store(MU + row0 + rows, mu, mask=rmask)
+
+
+def attn_merge(o, to, lse, mu, scratch, strides, *, h_q: int, n_q: int, d_v: int, block_m: int,
+               block_dv: int, n_blocks: int, slots: int, n_k: int) -> bool:
+    """Merge the shards the forward kernel wrote to ``scratch`` (``split_scratch``) into
+    ``o``/``to``/``lse``/``mu`` (``to``/``mu`` may be None); ``strides``: (B, H, N, D) strides of
+    ``o`` and ``to``. Returns whether the launch was split (else nothing to do)."""
+    n_full, shards = split_plan(n_blocks, slots, n_k)
+    if shards == 1:
+        return False
+    op, top, lsep, mup = scratch
+    with launch_device(o):
+        rows = min(block_m, 16)  # 16-row programs: three (16, BLOCK_DV) float32 tiles in registers
+        _attn_merge_kernel[(n_blocks - n_full, block_m // rows)](
+            o, o if to is None else to, lse, lse if mu is None else mu,
+            op, op if top is None else top, lsep, mup, *strides[0], *strides[1],
+            h_q, n_q, d_v, n_full, shards, block_m,
+            ROWS=rows, BLOCK_DV=block_dv, JVP=to is not None, STORE_MU=mu is not None,
+        )
+    return True
