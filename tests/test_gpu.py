@@ -280,6 +280,7 @@ def test_tail_split_full_size(d, tangents, dtype, monkeypatch):
     from flashjvp import _split
 
     monkeypatch.setattr(_split, "slots_override", 20)
+    monkeypatch.setattr(_split, "SPLIT_MIN_BUCKET", 0)  # 2100 keys
     q, k, v, tq, tk, tv = make_qkv(1, 3, 3, 1000, 2100, d, d, "bhnd", dtype,
                                    kinds=("contiguous", "swapped", "sliced"))
     tq, tk, tv = (t if name in tangents else None for name, t in zip("qkv", (tq, tk, tv)))

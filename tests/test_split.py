@@ -37,6 +37,7 @@ def split_on(monkeypatch):
 
     def set_slots(slots):
         monkeypatch.setattr(_split, "slots_override", slots)
+        monkeypatch.setattr(_split, "SPLIT_MIN_BUCKET", 0)
         if not ON_GPU:
             monkeypatch.setattr(_split, "SPLIT_MIN_KEYS", 16)
 
@@ -94,3 +95,20 @@ def test_no_split(causal, env, split_on, monkeypatch):
     before = _fwd.launches["split"]
     check_jvp(q, k, v, tq, tk, tv, torch.float32, causal=causal)
     assert _fwd.launches["split"] == before
+
+
+@pytest.mark.parametrize(
+    ("causal", "bucket", "ws", "env", "slots"),
+    [
+        pytest.param(False, 16384, False, "1", 132, id="long-keys"),
+        pytest.param(False, 4096, False, "1", 0, id="4096-keys"),  # measured no faster (NOTES)
+        pytest.param(True, 16384, False, "1", 0, id="causal"),
+        pytest.param(False, 16384, True, "1", 0, id="warp-specialized"),
+        pytest.param(False, 16384, False, "0", 0, id="switched-off"),
+    ],
+)
+def test_split_slots_policy(causal, bucket, ws, env, slots, monkeypatch):
+    monkeypatch.setattr(_split, "slots_override", 132)
+    monkeypatch.setenv("FLASHJVP_TAIL_SPLIT", env)
+    q = torch.empty(1, 1, 1, 16)
+    assert _split.split_slots(q, causal=causal, n_k_bucket=bucket, ws=ws) == slots

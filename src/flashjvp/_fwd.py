@@ -4,7 +4,7 @@ Per (batch, query head, block of BLOCK_M query rows) one program streams over th
 once, keeping the online-softmax state (MATH.md, "Online (tiled) form"):
 max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``acc_t`` and ``r``.
 Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
-costs no matrix product. Non-causal launches over long keys (``SPLIT``, _split.py) run on a 1-D
+costs no matrix product. Non-causal launches over > 8192 keys (``SPLIT``, _split.py) run on a 1-D
 grid whose last, partial wave of row blocks is split into key shards, merged by a second launch.
 
 The ``TMA`` path (``use_tma``: on Hopper for 16-bit forward+JVP with key or value tangents at
@@ -364,28 +364,27 @@ def _attn_fwd_kernel(
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)  # (BLOCK_M,)
     o = acc_o * inv_l[:, None]  # (BLOCK_M, BLOCK_DV)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
     inv_l_t = inv_l  # (BLOCK_M,) 1 / l, with the logit scale the key loop left out (no tV)
     if not HAS_TV:
         inv_l_t = inv_l * scale
-    mu = r_i * inv_l_t  # (BLOCK_M,) tangent of lse (zero without tangents)
     JVP: tl.constexpr = HAS_TQ or HAS_TK or HAS_TV
-    to = o
-    if JVP:
-        to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
-    if part >= 0:  # a key shard: float32 results of its keys, merged by _split.attn_merge
+    if part >= 0:  # a key shard (SPLIT): float32 results of its keys, merged by _split.attn_merge
         prow = part * BLOCK_M + rows  # (BLOCK_M,) scratch rows
         tl.store(OP + prow[:, None] * BLOCK_DV + offs_dv[None, :], o)
+        mu = r_i * inv_l_t  # (BLOCK_M,)
         if JVP:
-            tl.store(TOP + prow[:, None] * BLOCK_DV + offs_dv[None, :], to)
-        tl.store(LSEP + prow, lse)
+            tl.store(TOP + prow[:, None] * BLOCK_DV + offs_dv[None, :], acc_t * inv_l_t[:, None] - mu[:, None] * o)
+        tl.store(LSEP + prow, tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K))
         tl.store(MUP + prow, mu)
-    else:
+    else:  # o is stored before `to` is formed: both live at once spilled registers (H200, 512 keys)
         rmask = out_rows < N_Q - row_base  # (BLOCK_M,)
         omask = rmask[:, None] & mask_dv[None, :]  # (BLOCK_M, BLOCK_DV)
         tl.store(O + b * s_ob + h * s_oh + row_base * s_on + out_rows[:, None] * s_on + offs_dv[None, :] * s_od,
                  o.to(O.dtype.element_ty), mask=omask)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
+        mu = r_i * inv_l_t  # (BLOCK_M,) tangent of lse (zero without tangents)
         if JVP:
+            to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
             tl.store(TO + b * s_tob + h * s_toh + row_base * s_ton + out_rows[:, None] * s_ton
                      + offs_dv[None, :] * s_tod, to.to(TO.dtype.element_ty), mask=omask)
         row0 = (b * H_Q + h) * N_Q + row_base  # flat index of row_base in (B, H, N_Q)
@@ -432,7 +431,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     kv = [arg(k), arg(v)]
     inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
     # tail splitting (_split.py): a 1-D grid whose last programs are key shards of the last wave
-    slots = split_slots(q, causal=a.causal is not None, n_k=length_bucket(a.n_k), ws=tma == 2)
+    slots = split_slots(q, causal=a.causal is not None, n_k_bucket=length_bucket(a.n_k), ws=tma == 2)
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
     scratch = split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in _BLOCK_MS}, a.n_k)
     grid = lambda meta: ((split_grid(n_blocks(meta["BLOCK_M"]), slots, a.n_k),) if slots  # noqa: E731

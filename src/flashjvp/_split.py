@@ -1,9 +1,10 @@
 """Tail splitting for the forward kernel: the last, partial wave of row blocks runs in key shards.
 
-A long non-causal key loop makes every program (one block of query rows) take the same time, and
-the GPU runs about one such program per SM at a time. With ``W`` programs on ``S`` SMs the last
-wave holds only ``R = W % S`` of them while the other SMs idle: at B1 H12 N32768 D128 (3072
-programs of 128 rows, 132 SMs) that is 36 programs, a quarter of a wave, in a 24-wave run. When
+A long non-causal key loop (over 8192 keys: ``SPLIT_MIN_BUCKET``) makes every program (one block
+of query rows) take the same time, and the GPU runs about one such program per SM at a time.
+With ``W`` programs on ``S`` SMs the last wave holds only ``R = W % S`` of them while the other
+SMs idle: at B1 H12 N32768 D128 (3072 programs of 128 rows, 132 SMs) that is 36 programs, a
+quarter of a wave, in a 24-wave run. When
 ``R <= S / 2`` the forward kernel instead runs those ``R`` row blocks as ``s = S // R`` programs
 each (``s`` at most ``n_k // SPLIT_MIN_KEYS``), every one over a contiguous shard of the keys,
 which write ``o``, ``to``, ``lse`` and ``mu`` of their shard to a small float32 scratch
@@ -30,6 +31,11 @@ from flashjvp._common import LN2_K, LOG2E_K, launch_device, new_buffer
 
 # A shard runs at least this many keys: shorter ones would spend more on the merge than they save.
 SPLIT_MIN_KEYS = 512
+# Launches split only from this key-length bucket (``length_bucket``: more than 8192 keys). On the
+# H200 splitting made B1 H12 N32768 D128 3% faster (34.02 vs 35.11 ms) and B4 H32 N4096 D64 no
+# faster (3.07 vs 2.99, 3.23 vs 3.19, 3.19 vs 3.17 ms over three tiles; benchmarks/NOTES.md):
+# there each program is short, so the last wave is ragged rather than idle.
+SPLIT_MIN_BUCKET = 16384
 # Tests set this to split on the CPU (Triton's interpreter) or to force a split on a GPU.
 slots_override: int | None = None
 
@@ -39,11 +45,12 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def split_slots(q: torch.Tensor, *, causal: bool, n_k: int, ws: bool) -> int:
+def split_slots(q: torch.Tensor, *, causal: bool, n_k_bucket: int, ws: bool) -> int:
     """Programs the GPU runs at once (its SM count: the long-key tiles take one SM each), or 0
     when the launch must not split: causal (row blocks differ in work), a warp-specialized
-    launch, fewer than two shards' worth of keys, or ``FLASHJVP_TAIL_SPLIT=0``."""
-    if causal or ws or n_k < 2 * SPLIT_MIN_KEYS or os.environ.get("FLASHJVP_TAIL_SPLIT", "1") == "0":
+    launch, keys in a bucket below ``SPLIT_MIN_BUCKET``, or ``FLASHJVP_TAIL_SPLIT=0``. Depends
+    on the key bucket, not the length, so that it is constant per autotune key."""
+    if causal or ws or n_k_bucket < SPLIT_MIN_BUCKET or os.environ.get("FLASHJVP_TAIL_SPLIT", "1") == "0":
         return 0
     if slots_override is not None:
         return slots_override
