@@ -252,19 +252,25 @@ def test_cuda_graph_replay(case, tma, monkeypatch):
         assert_close("to", to, truth[1], lowp[1], torch.bfloat16)
 
 
+def _peak_extra(call):
+    """``(result, bytes)`` of a second ``call()`` (the first warms up / autotunes): its peak
+    allocation beyond what was live before it."""
+    call()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = call()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
 @pytest.mark.parametrize(("d", "tma"), [(64, "0"), (128, "0"), (128, "1")], ids=["d64", "d128", "d128-tma"])
 def test_forward_allocates_only_outputs(d, tma, monkeypatch):
     """Beyond o and to: per-row statistics only (lse and mu), on the pointer and the TMA path
     (its descriptors are made on the host: no device scratch)."""
     monkeypatch.setenv("FLASHJVP_TMA", tma)
-    q, k, v, tq, tk, tv = make_qkv(2, 8, 8, 2048, 2048, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",))
-    flashjvp.attention_jvp(q, k, v, tq, tk, tv)  # warm-up / autotune
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    x = make_qkv(2, 8, 8, 2048, 2048, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",))
+    (o, to), extra = _peak_extra(lambda: flashjvp.attention_jvp(*x))
     rows = 2 * 8 * 2048
     expected = 2 * o.numel() * o.element_size() + rows * 4 * 2  # o, to, lse (+ mu)
     assert extra <= expected + (1 << 20), f"forward+JVP allocated {extra} bytes, outputs need {expected}"
@@ -301,16 +307,10 @@ def test_tail_split_allocates_only_scratch(monkeypatch):
     from flashjvp import _split
 
     monkeypatch.setattr(_split, "slots_override", 132)
-    q, k, v, tq, tk, tv = make_qkv(1, 12, 12, 32768, 32768, 128, 128, "bhnd", torch.bfloat16, kinds=("contiguous",))
+    x = make_qkv(1, 12, 12, 32768, 32768, 128, 128, "bhnd", torch.bfloat16, kinds=("contiguous",))
     before = fwd_launches["split"]
-    flashjvp.attention_jvp(q, k, v, tq, tk, tv)  # warm-up / autotune
-    assert fwd_launches["split"] == before + 1
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
+    (o, to), extra = _peak_extra(lambda: flashjvp.attention_jvp(*x))
+    assert fwd_launches["split"] == before + 2  # both calls split
     rows = 12 * 32768
     scratch = 132 * 128 * (2 * 128 + 2) * 4
     expected = 2 * o.numel() * o.element_size() + rows * 4 + scratch
