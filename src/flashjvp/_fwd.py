@@ -236,6 +236,14 @@ def _fwd_inner(
     return acc_o, acc_t, m_i, l_i, r_i
 
 
+@triton.jit
+def _lse(m_i, l_i):
+    """Natural-log logsumexp of the rows from the running max (log2 units) and denominator;
+    -inf for rows that saw no key (l == 0)."""
+    empty = l_i == 0.0
+    return tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
+
+
 @triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
                                            "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"],
                  prune_configs_by={"early_config_prune": _prune_fwd_configs})
@@ -374,14 +382,14 @@ def _attn_fwd_kernel(
         mu = r_i * inv_l_t  # (BLOCK_M,)
         if JVP:
             tl.store(TOP + prow[:, None] * BLOCK_DV + offs_dv[None, :], acc_t * inv_l_t[:, None] - mu[:, None] * o)
-        tl.store(LSEP + prow, tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K))
+        tl.store(LSEP + prow, _lse(m_i, l_i))
         tl.store(MUP + prow, mu)
     else:  # o is stored before `to` is formed: both live at once spilled registers (H200, 512 keys)
         rmask = out_rows < N_Q - row_base  # (BLOCK_M,)
         omask = rmask[:, None] & mask_dv[None, :]  # (BLOCK_M, BLOCK_DV)
         tl.store(O + b * s_ob + h * s_oh + row_base * s_on + out_rows[:, None] * s_on + offs_dv[None, :] * s_od,
                  o.to(O.dtype.element_ty), mask=omask)
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
+        lse = _lse(m_i, l_i)  # (BLOCK_M,)
         mu = r_i * inv_l_t  # (BLOCK_M,) tangent of lse (zero without tangents)
         if JVP:
             to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
