@@ -97,3 +97,24 @@ def test_tma_path_descriptors(ws, layout, tmp_path):
     stores = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared[^\n]*", text)
     assert not stores, f"TMA store: {stores[0]}"
     assert re.search(r"st\.global", text), "no plain stores"
+
+
+def _kernel_report(out: str, name: str) -> str:
+    """The lines compile_report printed for kernel ``name`` (empty if it was not compiled)."""
+    m = re.search(rf"^{name}:.*(?:\n    .*)*", out, re.MULTILINE)
+    return m.group(0) if m else ""
+
+
+def test_tail_split_compiles_like_whole_blocks():
+    """The tail-split launch of B1 H12 N32768 D128 (the default TMA tile; _split.py) compiles like
+    the plain one: no register spills, the same wgmma and TMA copies; its merge kernel spills
+    nothing either (its 16-row programs keep three float32 tiles in registers)."""
+    args = ["--b", "1", "--h", "12", "--n", "32768", "--d", "128", "--tma", "--tile", "128", "64", "8", "2"]
+    plain = _kernel_report(compile_report(*args), "_attn_fwd_kernel")
+    out = compile_report(*args, "--split", "132")
+    split, merge = _kernel_report(out, "_attn_fwd_kernel"), _kernel_report(out, "_attn_merge_kernel")
+    assert plain and split and merge, out
+    for report in (split, merge):
+        assert re.search(r"\b0 bytes spill stores", report), report
+    for what in (r"wgmma (\d+)", r"TMA copies (\d+)"):
+        assert re.search(what, split).group(1) == re.search(what, plain).group(1), (plain, split)
