@@ -50,6 +50,7 @@ SPLIT_CASES = [
     pytest.param((2, 1, 1, 50, 64, 16, 16), 6, id="b2-50x64"),  # 8 blocks: 2 in 3 shards
     pytest.param((1, 3, 3, 19, 53, 72, 24), 4, id="19x53-d72x24"),  # 6 blocks: 2 in 2 shards
     pytest.param((1, 1, 1, 70, 80, 16, 16), 4, id="empty-shard"),  # 5 key blocks in 4 shards: one gets none
+    pytest.param((1, 2, 1, 37, 999, 40, 40), 20, id="under-one-wave"),  # 6 blocks, all in 3 shards
 ]
 TANGENTS = [pytest.param(t, id=f"t{t}") for t in ("qkv", "q", "v", "")]
 
