@@ -8,7 +8,7 @@ import torch
 
 import flashjvp
 from flashjvp import _fwd, _split
-from helpers import DEVICE, assert_close, check_jvp, jvp_refs, make_qkv
+from helpers import DEVICE, assert_close, check_jvp, force_fwd_tile, jvp_refs, make_qkv
 
 ON_GPU = DEVICE == "cuda"
 
@@ -28,7 +28,9 @@ ON_GPU = DEVICE == "cuda"
 def test_split_plan(n_blocks, slots, n_k, plan):
     assert _split.split_plan(n_blocks, slots, n_k) == plan
     n_full, shards = plan
-    assert _split.split_grid(n_blocks, slots, n_k) == n_full + (n_blocks - n_full) * shards
+    assert _split.split_grid(n_blocks, slots, n_k, block_m=128, capacity=slots * 128) == (
+        n_full + (n_blocks - n_full) * shards)
+    assert _split.split_grid(n_blocks, slots, n_k, block_m=128, capacity=0) == n_blocks  # no scratch
 
 
 @pytest.fixture
@@ -113,3 +115,18 @@ def test_split_slots_policy(causal, bucket, ws, env, slots, monkeypatch):
     monkeypatch.setenv("FLASHJVP_TAIL_SPLIT", env)
     q = torch.empty(1, 1, 1, 16)
     assert _split.split_slots(q, causal=causal, n_k_bucket=bucket, ws=ws) == slots
+
+
+@pytest.mark.skipif(ON_GPU, reason="16-row tiles: interpreter only")
+@pytest.mark.parametrize(("known", "splits"), [([16, 32], True), ([16], False)], ids=["sized-for-it", "too-small"])
+def test_forced_tile_splits_only_into_room(known, splits, split_on, monkeypatch):
+    """A forced 32-row tile: with the scratch sized for it, its tail splits (4 blocks: the last
+    in 3 shards on 3 SMs); sized for 16-row tiles only (48 rows, it needs 96), the launch runs
+    whole instead of writing past the scratch."""
+    split_on(3)
+    monkeypatch.setattr(_fwd, "_BLOCK_MS", known)
+    force_fwd_tile(monkeypatch, ws=False, tma="0", tile=(32, 16, 4, 1))
+    q, k, v, tq, tk, tv = make_qkv(1, 1, 1, 97, 200, 16, 16, "bhnd", torch.float32)
+    before = _fwd.launches["split"]
+    check_jvp(q, k, v, tq, tk, tv, torch.float32)
+    assert _fwd.launches["split"] == before + splits

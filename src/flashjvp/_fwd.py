@@ -442,8 +442,14 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     slots = split_slots(q, causal=a.causal is not None, n_k_bucket=length_bucket(a.n_k), ws=tma == 2)
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
     scratch = split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in _BLOCK_MS}, a.n_k)
-    grid = lambda meta: ((split_grid(n_blocks(meta["BLOCK_M"]), slots, a.n_k),) if slots  # noqa: E731
-                         else (triton.cdiv(a.n_q, meta["BLOCK_M"]), a.h_q, a.batch))
+    capacity = 0 if scratch is None else scratch[0].shape[0]  # scratch rows
+
+    def grid(meta):
+        bm = meta["BLOCK_M"]
+        if slots:
+            return (split_grid(n_blocks(bm), slots, a.n_k, block_m=bm, capacity=capacity),)
+        return (triton.cdiv(a.n_q, bm), a.h_q, a.batch)
+
     with launch_device(q):
         launch_tuned(
             _attn_fwd_kernel, grid,

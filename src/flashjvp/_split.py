@@ -57,20 +57,24 @@ def split_slots(q: torch.Tensor, *, causal: bool, n_k_bucket: int, ws: bool) -> 
     return _sm_count(q.device.index) if q.is_cuda else 0
 
 
-def split_plan(n_blocks: int, slots: int, n_k: int) -> tuple[int, int]:
+def split_plan(n_blocks: int, slots: int, n_k: int, *, block_m: int = 1,
+               capacity: int | None = None) -> tuple[int, int]:
     """``(n_full, shards)`` for ``n_blocks`` row-block programs on ``slots`` SMs: the first
     ``n_full`` run whole, each later one as ``shards`` key shards (``shards == 1``: no split).
-    The kernel recovers both from its grid size (``split_decode``)."""
+    A split whose shards need more than ``capacity`` scratch rows (``block_m`` each; None:
+    unbounded) is dropped. The kernel recovers the plan from its grid size (``split_decode``)."""
     tail = n_blocks % slots if slots else 0
     if tail == 0 or 2 * tail > slots:
         return n_blocks, 1
     shards = min(slots // tail, n_k // SPLIT_MIN_KEYS)
-    return (n_blocks - tail, shards) if shards > 1 else (n_blocks, 1)
+    if shards < 2 or (capacity is not None and tail * shards * block_m > capacity):
+        return n_blocks, 1
+    return n_blocks - tail, shards
 
 
-def split_grid(n_blocks: int, slots: int, n_k: int) -> int:
+def split_grid(n_blocks: int, slots: int, n_k: int, *, block_m: int, capacity: int) -> int:
     """Programs launched for ``split_plan``: full blocks plus ``shards`` per tail block."""
-    n_full, shards = split_plan(n_blocks, slots, n_k)
+    n_full, shards = split_plan(n_blocks, slots, n_k, block_m=block_m, capacity=capacity)
     return n_full + (n_blocks - n_full) * shards
 
 
@@ -92,7 +96,8 @@ def split_decode(n_blocks, SLOTS):
 def split_scratch(slots: int, block_dv: int, jvp: bool, device, blocks: dict[int, int], n_k: int):
     """float32 scratch of the shards, ``(o, to, lse, mu)`` (``to`` None without tangents), with
     room for the largest tail any candidate tile would split (``blocks``: BLOCK_M -> row-block
-    programs); None where none of them splits (or ``slots`` is 0)."""
+    programs); None where none of them splits (or ``slots`` is 0). A tile whose BLOCK_M is not
+    among them (a forced one) splits only where its shards fit (``split_plan``'s capacity)."""
     rows = 0
     for bm, nb in blocks.items():
         n_full, shards = split_plan(nb, slots, n_k) if slots else (nb, 1)
@@ -166,10 +171,10 @@ def attn_merge(o, to, lse, mu, scratch, strides, *, h_q: int, n_q: int, d_v: int
     """Merge the shards the forward kernel wrote to ``scratch`` (``split_scratch``) into
     ``o``/``to``/``lse``/``mu`` (``to``/``mu`` may be None); ``strides``: (B, H, N, D) strides of
     ``o`` and ``to``. Returns whether the launch was split (else nothing to do)."""
-    n_full, shards = split_plan(n_blocks, slots, n_k)
+    op, top, lsep, mup = scratch
+    n_full, shards = split_plan(n_blocks, slots, n_k, block_m=block_m, capacity=op.shape[0])
     if shards == 1:
         return False
-    op, top, lsep, mup = scratch
     with launch_device(o):
         rows = min(block_m, 16)  # 16-row programs: three (16, BLOCK_DV) float32 tiles in registers
         _attn_merge_kernel[(n_blocks - n_full, block_m // rows)](
