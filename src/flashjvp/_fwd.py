@@ -439,7 +439,8 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     kv = [arg(k), arg(v)]
     inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
     # tail splitting (_split.py): a 1-D grid whose last programs are key shards of the last wave
-    slots = split_slots(q, causal=a.causal is not None, n_k_bucket=length_bucket(a.n_k), ws=tma == 2)
+    k_bucket = length_bucket(a.n_k)  # autotune key and split policy
+    slots = split_slots(q, causal=a.causal is not None, n_k_bucket=k_bucket, ws=tma == 2)
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
     scratch = split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in _BLOCK_MS}, a.n_k)
     capacity = 0 if scratch is None else scratch[0].shape[0]  # scratch rows
@@ -457,7 +458,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             *_scratch_args(scratch, o, lse),
             *[s for st in strides for s in st],
             a.batch, a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale, max(slots, 1),
-            N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k),
+            N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=k_bucket,
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
             CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % _MAX_BLOCK_N.value != 0,
             HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
