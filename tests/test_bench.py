@@ -105,19 +105,29 @@ def test_merge_reports(tmp_path):
     """Runs split across GPU sessions: a later measurement wins, a later skip does not."""
     first = [_row("1", "flashjvp", "fwd_jvp", 2.0), _row("5", "flashjvp", "fwd_jvp", 9.0),
              _row("1", "reference", "fwd_jvp", 3.0)]
-    second = [_row("5", "flashjvp", "fwd_jvp", 1.0), _row("1", "reference", "fwd_jvp", skip="time limit")]
+    second = [_row("5", "flashjvp", "fwd_jvp", 1.0), _row("1", "reference", "fwd_jvp", skip="time limit"),
+              _row("1", "jvp-flash-attention", "fwd_jvp", 4.0)]
+    # run 0 had the reference kernel and lacked the peer; run 1 the other way round
+    metas = [{"kernels": {"reference": "ref.py:attention"}, "unavailable": {"jvp-flash-attention": "not importable"}},
+             {"kernels": {}, "unavailable": {"torch-cudnn": "no cuDNN"}}]
     for i, rows in enumerate((first, second)):
-        bench.write_report(rows, {"gpu": "Fake GPU", "date": f"day{i}", "command": f"cmd{i}", "partial": True},
-                           tmp_path / f"run{i}", with_plot=False)
+        bench.write_report(rows, {"gpu": "Fake GPU", "date": f"day{i}", "command": f"cmd{i}", "partial": True,
+                                  **metas[i]}, tmp_path / f"run{i}", with_plot=False)
     out = tmp_path / "merged"
     assert bench.main(["--merge", str(tmp_path / "run0/bench.json"), str(tmp_path / "run1/bench.json"),
                        "--out", str(out)]) == 0
     data = json.loads((out / "bench.json").read_text())
     got = {(r["shape"], r["provider"]): r["ms"] for r in data["rows"]}
-    assert got == {("1", "flashjvp"): 2.0, ("5", "flashjvp"): 1.0, ("1", "reference"): 3.0}
+    assert got == {("1", "flashjvp"): 2.0, ("5", "flashjvp"): 1.0, ("1", "reference"): 3.0,
+                   ("1", "jvp-flash-attention"): 4.0}
     assert [r["command"] for r in data["runs"]] == ["cmd0", "cmd1"] and "partial" not in data
+    # a later run without --kernel keeps the earlier run's kernel note; a provider measured in
+    # some run is not listed as unavailable
+    assert data["kernels"] == {"reference": "ref.py:attention"}
+    assert data["unavailable"] == {"torch-cudnn": "no cuDNN"}
     md = (out / "bench.md").read_text()
     assert "cmd0" in md and "cmd1" in md and "1.50x" in md
+    assert "kernel reference: ref.py:attention" in md and "jvp-flash-attention: not available" not in md
     with pytest.raises(SystemExit):
         bench.main(["--merge", str(tmp_path / "run0/bench.json")])  # --out is required
 

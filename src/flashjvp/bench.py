@@ -504,9 +504,10 @@ def write_report(rows: list[Row], meta: dict, out_dir: Path, with_plot: bool = T
 def merge_reports(paths: list[Path]) -> tuple[list[Row], dict]:
     """Rows and meta of several ``bench.json`` files (runs split across GPU sessions) as one
     report. A later file's measurement replaces an earlier one of the same (shape, provider,
-    mode); a later skip never replaces a measurement. Every run's command and date are kept."""
+    mode); a later skip never replaces a measurement. Every run's command and date are kept, and
+    every run's kernel notes; a provider is listed as unavailable only if no run measured it."""
     rows: dict[tuple[str, str, str], Row] = {}
-    runs, meta = [], {}
+    runs, meta, kernels, unavailable = [], {}, {}, {}
     for path in paths:
         data = json.loads(Path(path).read_text())
         for r in data.pop("rows"):
@@ -515,7 +516,12 @@ def merge_reports(paths: list[Path]) -> tuple[list[Row], dict]:
             if row.skip is None or key not in rows or rows[key].skip is not None:
                 rows[key] = row
         runs.append({k: data.get(k) for k in ("date", "command", "wall_s")})
+        kernels.update(data.pop("kernels", None) or {})
+        unavailable.update(data.pop("unavailable", None) or {})
         meta = {**meta, **data}
+    measured = {r.provider for r in rows.values() if r.skip is None}
+    meta["kernels"] = kernels
+    meta["unavailable"] = {k: v for k, v in unavailable.items() if k not in measured}
     meta.pop("partial", None)
     meta["runs"] = runs
     meta["date"] = " / ".join(str(r["date"]) for r in runs)
