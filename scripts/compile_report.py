@@ -27,7 +27,7 @@ os.environ.setdefault("FLASHJVP_AUTOTUNE", "0")
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend, get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
@@ -36,7 +36,8 @@ from flashjvp import _bwd, _fwd, _split  # noqa: E402
 from flashjvp._validate import check_inputs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+# the ptxas Triton itself uses for sm_90 (3.9 switched it to its bundled "ptxas-blackwell")
+PTXAS = Path(get_ptxas(90).path)
 reports: list[str] = []
 
 
