@@ -9,6 +9,8 @@
 # $SOAK_ARGS), seqmajor (benchmarks/experiments/seq_major.py: (B, N, H, D) storage, pointer vs TMA).
 # Limits: TEST_LIMIT, BENCH_LIMIT, BENCH2_LIMIT, PROBE_LIMIT, SWEEP_LIMIT, DEMO_LIMIT, SOAK_LIMIT, SEQMAJOR_LIMIT seconds; TEST_PATHS picks test files. Logs and results go to $OUT.
 # Wheels in .whl/ (timm, diffusers: versions as in the Makefile) are installed first if present.
+# TRITON_NEXT=1: run everything on the Triton packed by benchmarks/experiments/slim_triton.sh
+# (.t39/t39.tar.xz, carried) instead of the device's own.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashjvp-gpu}  # the device tool returns what is written under $OUT
 mkdir -p "$OUT"
@@ -18,6 +20,12 @@ has() { [[ $steps == *",$1,"* ]]; }
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=src:/tmp/site
+fi
+if [[ ${TRITON_NEXT:-0} == 1 ]]; then
+  [ -d /tmp/site39/triton ] || python3 -c "import tarfile; tarfile.open('.t39/t39.tar.xz').extractall('/tmp/site39')" || exit 1
+  # the device's own Triton registers an AMD backend (not packed); 3.9 compiles sm_90 with its
+  # "ptxas-blackwell" (not packed: CUDA's own ptxas instead)
+  export PYTHONPATH=/tmp/site39:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1 TRITON_PTXAS_BLACKWELL_PATH=/usr/local/cuda/bin/ptxas
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
