@@ -442,7 +442,8 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     k_bucket = length_bucket(a.n_k)  # autotune key and split policy
     slots = split_slots(q, causal=a.causal is not None, n_k_bucket=k_bucket, ws=tma == 2)
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
-    scratch = split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in _BLOCK_MS}, a.n_k)
+    scratch = (split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in _BLOCK_MS}, a.n_k)
+               if slots else None)  # most launches: nothing to size
     capacity = 0 if scratch is None else scratch[0].shape[0]  # scratch rows
 
     def grid(meta):

@@ -100,7 +100,7 @@ def split_scratch(slots: int, block_dv: int, jvp: bool, device, blocks: dict[int
     among them (a forced one) splits only where its shards fit (``split_plan``'s capacity)."""
     rows = 0
     for bm, nb in blocks.items():
-        n_full, shards = split_plan(nb, slots, n_k) if slots else (nb, 1)
+        n_full, shards = split_plan(nb, slots, n_k)
         if shards > 1:
             rows = max(rows, (nb - n_full) * shards * bm)
     if not rows:
