@@ -57,11 +57,14 @@ def _prefetch_kernel(Q, K, V, TQ, TK, TV, O, TO, LSE,
                      PERSIST: tl.constexpr):
     n_mb = tl.cdiv(N_Q, BLOCK_M)
     n_tiles = n_mb * H_Q * BATCH
-    if PERSIST == 0:  # no loop at all: the production kernel's grid and code shape
-        tile = tl.program_id(0)
+    if PERSIST == 0:  # no loop: the production kernel's 3-D grid (program ids, which ptxas
+        # re-reads instead of keeping them in registers: 0 spills against 52 bytes when the block
+        # came from a 1-D index by division)
+        pid_m, h32, b32 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        tile = pid_m + n_mb * (h32 + H_Q * b32)
         q, tq = _load_q(Q, TQ, tile, n_tiles, n_mb, H_Q, N_Q, s_qb, s_qh, s_qn,
                         s_tqb, s_tqh, s_tqn, BLOCK_M, D, HAS_TQ)
-        _tile(Q, K, V, TQ, TK, TV, O, TO, LSE, q, tq, tile, n_tiles, n_mb, n_tiles,
+        _tile(Q, K, V, TQ, TK, TV, O, TO, LSE, q, tq, pid_m, h32, b32, tile, n_tiles, n_mb, n_tiles,
               s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
               s_tqb, s_tqh, s_tqn, s_tkb, s_tkh, s_tkn, s_tvb, s_tvh, s_tvn,
               s_ob, s_oh, s_on, s_tob, s_toh, s_ton, H_Q, N_Q, N_K, scale_log2, scale,
@@ -74,7 +77,8 @@ def _prefetch_kernel(Q, K, V, TQ, TK, TV, O, TO, LSE,
             if PERSIST == 1:
                 q, tq = _load_q(Q, TQ, tile, n_tiles, n_mb, H_Q, N_Q, s_qb, s_qh, s_qn,
                                 s_tqb, s_tqh, s_tqn, BLOCK_M, D, HAS_TQ)
-            q, tq = _tile(Q, K, V, TQ, TK, TV, O, TO, LSE, q, tq, tile, n_tiles, n_mb, step,
+            q, tq = _tile(Q, K, V, TQ, TK, TV, O, TO, LSE, q, tq, tile % n_mb, (tile // n_mb) % H_Q,
+                          tile // (n_mb * H_Q), tile, n_tiles, n_mb, step,
                           s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
                           s_tqb, s_tqh, s_tqn, s_tkb, s_tkh, s_tkn, s_tvb, s_tvh, s_tvn,
                           s_ob, s_oh, s_on, s_tob, s_toh, s_ton, H_Q, N_Q, N_K, scale_log2, scale,
@@ -82,20 +86,18 @@ def _prefetch_kernel(Q, K, V, TQ, TK, TV, O, TO, LSE,
 
 
 @triton.jit
-def _tile(Q, K, V, TQ, TK, TV, O, TO, LSE, q, tq, tile, n_tiles, n_mb, step,
+def _tile(Q, K, V, TQ, TK, TV, O, TO, LSE, q, tq, pid_m, h32, b32, tile, n_tiles, n_mb, step,
           s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
           s_tqb, s_tqh, s_tqn, s_tkb, s_tkh, s_tkn, s_tvb, s_tvh, s_tvn,
           s_ob, s_oh, s_on, s_tob, s_toh, s_ton, H_Q, N_Q, N_K, scale_log2, scale,
           D: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
           DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
-    """One row block; returns the next block's q/tq (PREFETCH, loaded before the epilogue) or q/tq."""
+    """Row block ``tile`` (= ``pid_m`` of head ``h32``, batch ``b32``); returns the next block's q/tq
+    (PREFETCH: block ``tile + step``, loaded before the epilogue) or q/tq."""
     rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_d = tl.arange(0, D)  # (D,)
     mask_d = offs_d < D
-    pid_m = tile % n_mb
-    h32 = (tile // n_mb) % H_Q
-    b32 = tile // (n_mb * H_Q)
     h = h32.to(tl.int64)
     b = b32.to(tl.int64)
     k_src = K + b * s_kb + h * s_kh + offs_d[:, None] + offs_n[None, :] * s_kn  # (D, BLOCK_N)
@@ -139,7 +141,7 @@ def run(q, k, v, tq, tk, tv, tile, persist, sms):
     o, to = torch.empty_like(q), torch.empty_like(q)
     lse = torch.empty(b, h, nq, device=q.device, dtype=torch.float32)
     n_tiles = triton.cdiv(nq, bm) * h * b
-    grid = (min(n_tiles, sms) if persist else n_tiles,)
+    grid = (min(n_tiles, sms),) if persist else (triton.cdiv(nq, bm), h, b)
     st = lambda x: (x.stride(0), x.stride(1), x.stride(2))  # noqa: E731
     scale = d ** -0.5
     _prefetch_kernel[grid](
