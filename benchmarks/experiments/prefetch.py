@@ -15,10 +15,13 @@ loop is flashjvp's own ``_fwd_inner``. Every variant is checked against flashjvp
 
 GPU:  PYTHONPATH=src python benchmarks/experiments/prefetch.py
 CPU:  TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/experiments/prefetch.py --check
+      PYTHONPATH=src python benchmarks/experiments/prefetch.py --compile  (sm_90a registers, spills)
 """
 import argparse
 import functools
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -154,10 +157,28 @@ def run(q, k, v, tq, tk, tv, tile, persist, sms):
     return o, to, lse
 
 
+def compile_only():
+    """Compile every variant for sm_90a without a GPU (scripts/compile_report.py's launch hook)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import compile_report
+    from triton.runtime.jit import JITFunction
+
+    JITFunction.run = compile_report._compile_only
+    x = [torch.zeros(1, 40, n, 128, dtype=torch.bfloat16) for n in (32760, 512, 512, 32760, 512, 512)]
+    for n_tan in (4, 6):
+        for persist in (0, 1, 2):
+            compile_report.reports.append(f"--- tangents {'q' if n_tan == 4 else 'qkv'}, P{persist}, 128x64 w8 s2")
+            run(*x[:n_tan], *[None] * (6 - n_tan), (128, 64, 8, 2), persist, 132)
+    print("\n".join(compile_report.reports))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--check", action="store_true", help="small fp32 shapes only (CPU interpreter)")
+    p.add_argument("--compile", action="store_true", help="compile for sm_90a only and report (no GPU)")
     args = p.parse_args()
+    if args.compile:
+        return compile_only()
     if args.check or os.environ.get("TRITON_INTERPRET") == "1":
         dev, dtype, shapes, tiles, sms = "cpu", torch.float32, [(2, 3, 37, 32, 32)], [(16, 16, 4, 1)], 4
     else:
