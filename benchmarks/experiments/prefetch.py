@@ -136,6 +136,7 @@ def _tile(Q, K, V, TQ, TK, TV, O, TO, LSE, q, tq, pid_m, h32, b32, tile, n_tiles
     tl.store(LSE + (b * H_Q + h) * N_Q + offs_m, _lse(m_i, l_i), mask=rmask)
     return q, tq
 
+
 def run(q, k, v, tq, tk, tv, tile, persist, sms):
     bm, bn, warps, stages = tile
     b, h, nq, d = q.shape
