@@ -6,7 +6,7 @@ GPU time is scarce; register spills and scalar (2-byte) loads are visible here f
 Tensors are CPU tensors; every Triton launch is intercepted, compiled for the target and skipped.
 
     python scripts/compile_report.py --b 8 --h 16 --n 1024 --d 72 [--mode fwd_jvp|fwd|bwd]
-        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma [--ws]] [--tangents q] [--split 132]
+        [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma] [--tangents q] [--split 132]
 
 ``DUMP_PTX=FILE`` / ``DUMP_TTGIR=FILE`` write the (last) kernel's PTX / TritonGPU IR.
 """
@@ -89,14 +89,12 @@ def main() -> None:
     ap.add_argument("--tile", type=int, nargs=4, metavar=("BM", "BN", "WARPS", "STAGES"),
                     help="one tile to compile (default: each kernel's default tile)")
     ap.add_argument("--tma", action="store_true", help="forward: the tensor-descriptor path (FLASHJVP_TMA=1)")
-    ap.add_argument("--ws", action="store_true",
-                    help="forward: warp-specialize the key loop (with --tma: FLASHJVP_TMA=ws)")
     ap.add_argument("--split", type=int, default=0, metavar="SLOTS",
                     help="forward: tail splitting as on a GPU with SLOTS SMs (e.g. 132; _split.py)")
     args = ap.parse_args()
     _split.slots_override = args.split or None
     if args.tma:
-        os.environ["FLASHJVP_TMA"] = "ws" if args.ws else "1"
+        os.environ["FLASHJVP_TMA"] = "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     dv = args.dv or args.d
 
@@ -108,9 +106,9 @@ def main() -> None:
     a = check_inputs(q, k, v, causal=args.causal, scale=None, layout=args.layout)
     for kern, tiles in ((_fwd._attn_fwd_kernel, _fwd._FWD_TILES), (_bwd._attn_bwd_dkdv_kernel, _bwd._BWD_TILES),
                         (_bwd._attn_bwd_dq_kernel, _bwd._BWD_TILES)):
-        flags = {"WS": args.ws} if kern is _fwd._attn_fwd_kernel else {}
-        default = _fwd._FWD_WS_TILES[0] if flags.get("WS") else tiles[0]
-        bm, bn, w, s = args.tile or default  # one config: the autotuner then just launches it
+        # further constexprs the kernel's own configs set, as its last (plain) config sets them
+        flags = {k: v for k, v in kern.configs[-1].kwargs.items() if k not in ("BLOCK_M", "BLOCK_N")}
+        bm, bn, w, s = args.tile or tiles[0]  # one config: the autotuner then just launches it
         kern.configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **flags}, num_warps=w, num_stages=s)]
     JITFunction.run = _compile_only
     if args.mode == "bwd":

@@ -1,8 +1,10 @@
-"""flashjvp's forward+JVP under each ``FLASHJVP_TMA`` setting: ``auto`` (the policy, the
-default), ``tma`` (``1``: forced on), ``ws`` (``ws``: on, with the experimental warp-specialized
-tiles; before a4c0031 ``1`` meant this) and ``pointers`` (``0``: off), and the default with tail
-splitting off (``nosplit``: ``FLASHJVP_TAIL_SPLIT=0``), as ``--kernel``s for the benchmark, so
-that one run times them next to the default:
+"""flashjvp's forward+JVP under one environment setting each, as ``--kernel`` plug-ins of
+``python -m flashjvp.bench``, so that one run times flashjvp's paths side by side:
+
+- ``auto``: ``FLASHJVP_TMA=auto`` (the default policy);
+- ``tma``: ``FLASHJVP_TMA=1`` (the tensor-descriptor path forced on);
+- ``pointers``: ``FLASHJVP_TMA=0`` (forced off);
+- ``nosplit``: the default with tail splitting off (``FLASHJVP_TAIL_SPLIT=0``).
 
     python -m flashjvp.bench --modes fwd_jvp \
         --kernel flashjvp-auto=benchmarks/kernels/flashjvp_paths.py:auto \
@@ -32,10 +34,6 @@ def _with_tma(mode: str, *args):
 
 def tma(q, k, v, tq, tk, tv, causal, scale):
     return _with_tma("1", q, k, v, tq, tk, tv, causal, scale)
-
-
-def ws(q, k, v, tq, tk, tv, causal, scale):
-    return _with_tma("ws", q, k, v, tq, tk, tv, causal, scale)
 
 
 def pointers(q, k, v, tq, tk, tv, causal, scale):

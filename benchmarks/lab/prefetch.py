@@ -1,21 +1,21 @@
 """Persistent forward+JVP that prefetches the next row block's q/tq during this block's epilogue.
 
-Question: at B1 H40 Nq32760 Nk512 D128 (the issue's cross-attention shape) each 128-row program
-runs only eight 64-key blocks, and with one program per SM its q/tq loads are not overlapped with
-any products (benchmarks/NOTES.md, sessions 4 and 12: a fixed ~0.3 ms of the tq-only 1.46 ms).
-The fourth session's persistent grid did not prefetch and was slower (1.73 vs 1.51 ms). Here a
-program walks row blocks (stride: the grid size) and issues the NEXT block's q/tq loads (plain
-``tl.load``: registers, so the loads are in flight while this block's o/to are formed and
-stored) before its epilogue.
+Question: at B1 H40 Nq32760 Nk512 D128 (the video cross-attention shape, benchmark shape 7) each
+128-row program runs only eight 64-key blocks, and with one program per row block its q/tq loads
+are not overlapped with any products: a fixed share of the tq-only time. A persistent grid
+without prefetching measured slower than one program per block. Here a program walks row blocks
+(stride: the grid size) and issues the NEXT block's q/tq loads (plain ``tl.load``: registers, so
+the loads are in flight while this block's o/to are formed and stored) before its epilogue.
 
 Variants of one kernel (non-causal, no key tail, pointer path, unit stride along D):
-``PERSIST=0``: one program per row block (the production kernel's grid); ``PERSIST=1``: one per
-SM, q/tq loaded at the top of each block; ``PERSIST=2``: one per SM, next q/tq prefetched. The key
-loop is flashjvp's own ``_fwd_inner``. Every variant is checked against flashjvp.attention_jvp.
+``PERSIST=0``: one program per row block (the production kernel's 3-D grid); ``PERSIST=1``: one
+per SM, q/tq loaded at the top of each block; ``PERSIST=2``: one per SM, next q/tq prefetched.
+The key loop is flashjvp's own ``_fwd_inner`` (imported, not copied). Every variant is checked
+against flashjvp.attention_jvp, then all are timed with ``do_bench`` (two rounds).
 
-GPU:  PYTHONPATH=src python benchmarks/experiments/prefetch.py
-CPU:  TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/experiments/prefetch.py --check
-      PYTHONPATH=src python benchmarks/experiments/prefetch.py --compile  (sm_90a registers, spills)
+GPU:  PYTHONPATH=src python benchmarks/lab/prefetch.py
+CPU:  TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/lab/prefetch.py --check
+      PYTHONPATH=src python benchmarks/lab/prefetch.py --compile  (sm_90a registers, spills)
 """
 import argparse
 import functools

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU test suite and the benchmark suite in one call, from the repository root of a GPU machine:
+#
+#   bash scripts/gpu_suite.sh [STEPS]      STEPS: tests, bench or tests,bench (the default)
+#
+# Environment: OUT (where logs and results go, default /tmp/flashjvp-gpu), TEST_LIMIT (seconds for
+# the tests, default 300), WORKERS (pytest-xdist workers, default 12), BENCH_LIMIT (the benchmark's
+# --time-limit, default 240), BENCH_ARGS (more options for python -m flashjvp.bench, e.g. --modes fwd_jvp).
+# The benchmark adds the reference kernel when benchmarks/third_party/reference_jvp.py exists.
+# Writes $OUT/gpu.txt, $OUT/tests.log, $OUT/bench.log and $OUT/bench/bench.{json,md,png}.
+set -uo pipefail
+OUT=${OUT:-/tmp/flashjvp-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+steps=",${1:-tests,bench},"
+has() { [[ $steps == *",$1,"* ]]; }
+
+# Wheels in .whl/ (for a machine without network: e.g. timm, diffusers for the model tests) first.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=src:/tmp/site
+fi
+
+# (a) the machine
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+
+# (b) the GPU tests: one fixed tile per kernel (no autotuning), outputs NaN-filled before each launch
+if has tests; then
+  par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-12}")  # serial without pytest-xdist
+  FLASHJVP_AUTOTUNE=0 FLASHJVP_POISON=1 timeout -k 10 "${TEST_LIMIT:-300}" python3 -m pytest tests -q -rfE \
+    --tb=short "${par[@]}" -p no:cacheprovider --ignore=tests/test_example.py >"$OUT/tests.log" 2>&1 &
+  tpid=$!
+  wait "$tpid"; echo "tests: exit status $?"
+  # xdist workers can outlive a timed-out run: end what is left of timeout's process group
+  pkill -KILL -g "$tpid" 2>/dev/null
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
+fi
+
+# (c) the benchmark suite (--time-limit records what is left as skipped, so the report is written)
+if has bench; then
+  ref=benchmarks/third_party/reference_jvp.py  # the reference kernel (gitignored): timed when present
+  refk=(); [[ -f $ref ]] && refk=(--kernel "reference=$ref:attention")
+  # shellcheck disable=SC2086  # BENCH_ARGS is split into options on purpose
+  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit "${BENCH_LIMIT:-240}" "${refk[@]}" ${BENCH_ARGS:-} \
+    --out "$OUT/bench" >"$OUT/bench.log" 2>&1
+  echo "bench: exit status $?"
+  grep -E "^\[|time limit|wrote" "$OUT/bench.log" | tail -60
+fi
