@@ -17,8 +17,8 @@ import inspect
 import torch
 
 from flashjvp._bwd import attn_bwd
-from flashjvp._common import empty_out, lse_buffer
 from flashjvp._fwd import attn_fwd
+from flashjvp._launch import empty_out, lse_buffer
 from flashjvp._validate import AttnArgs
 
 _TANGENT_GRAD_MSG = (

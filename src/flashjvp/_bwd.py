@@ -4,8 +4,8 @@ Two launches, no atomics, deterministic: ``_attn_bwd_dq_kernel`` (one program pe
 block; computes delta = rowsum(dO * O) for its rows, stores it, and dQ) then
 ``_attn_bwd_dkdv_kernel`` (one program per key block and kv head, reading those deltas; sums
 the query heads of a GQA group in a fixed order). P is recomputed from q, k and lse; no N x N
-buffer exists. (A separate delta kernel, as in FlashAttention-2, costs a third launch: on the
-H200 the backward of small shapes was bound by the host's launches, not by the GPU.)
+buffer exists. (A separate delta kernel, as in FlashAttention-2, would cost a third launch: the
+backward of small shapes is bound by the host's launches, not by the GPU.)
 """
 
 from __future__ import annotations
@@ -13,46 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashjvp._common import (
-    LOG2E,
-    LOG2E_K,
-    aligned,
-    aligned3,
-    buffer_like,
-    dot_precision,
-    head_blocks,
-    keep_fitting,
-    key_range,
-    launch_device,
-    launch_tuned,
-    length_bucket,
-    load_tile,
-    strides_bhnd,
-    tile_configs,
-    vector_align,
-)
+from flashjvp._jit import LOG2E, LOG2E_K, aligned, aligned3, key_range, load_tile
+from flashjvp._launch import buffer_like, dot_precision, launch_device, launch_tuned, strides_bhnd, vector_align
+from flashjvp._policy import BWD_TILES, head_blocks, length_bucket, prune_bwd_configs, tile_configs
 from flashjvp._validate import AttnArgs
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default.
-_BWD_TILES = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
-              (128, 128, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1)]
-
-
-def _prune_bwd_configs(configs, named_args, **kwargs):
-    """Keep tiles whose streamed tiles fit in shared memory and whose fp32 accumulators fit in
-    registers (dK and dV per key block, dQ per query block); without autotuning the first."""
-    args = {**named_args, **kwargs}
-    d = args["BLOCK_DQK"] + args["BLOCK_DV"]
-    elt = args["Q"].element_size()
-
-    def fits(c):
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        smem = (c.num_stages + 1) * max(bm, bn) * d * elt
-        acc_regs = max(bm, bn) * d // (32 * c.num_warps)
-        return smem <= 200 * 1024 and acc_regs <= 128
-
-    return keep_fitting(configs, fits)
-
 
 _BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "DOT_PREC"]
 _EVEN_D = {
@@ -96,8 +60,8 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.autotune(configs=tile_configs(_BWD_TILES), key=_BWD_KEY,
-                 prune_configs_by={"early_config_prune": _prune_bwd_configs})
+@triton.autotune(configs=tile_configs(BWD_TILES), key=_BWD_KEY,
+                 prune_configs_by={"early_config_prune": prune_bwd_configs})
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
@@ -188,8 +152,8 @@ def _dq_inner(
     return dq
 
 
-@triton.autotune(configs=tile_configs(_BWD_TILES), key=_BWD_KEY,
-                 prune_configs_by={"early_config_prune": _prune_bwd_configs})
+@triton.autotune(configs=tile_configs(BWD_TILES), key=_BWD_KEY,
+                 prune_configs_by={"early_config_prune": prune_bwd_configs})
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dq_kernel(
@@ -247,9 +211,6 @@ def _attn_bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=rvalid[:, None] & mask_dqk[None, :])
 
 
-launches = {"bwd": 0}
-
-
 def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` given ``do``, from the saved
     ``lse`` (B, Hq, Nq) float32. Gradients have their input's shape and layout."""
@@ -269,5 +230,4 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
                      *sq, *sk, *sv, *so, *sdo, *sdq, *sizes, **common)
         launch_tuned(_attn_bwd_dkdv_kernel, grid_kv, q, k, v, do, lse, delta, dk, dv,
                      *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
-    launches["bwd"] += 1
     return dq, dk, dv

@@ -1,19 +1,16 @@
 """Fused attention forward + forward-mode tangent (JVP) in one Triton pass.
 
 Per (batch, query head, block of BLOCK_M query rows) one program streams over the key blocks
-once, keeping the online-softmax state (MATH.md, "Online (tiled) form"):
-max ``m`` (log2 units), denominator ``l``, ``acc_o``, one tangent accumulator ``acc_t`` and ``r``.
-Which tangents exist is a compile-time choice (HAS_TQ / HAS_TK / HAS_TV), so a zero tangent
-costs no matrix product. Non-causal launches over > 8192 keys (``SPLIT``, _split.py) run on a 1-D
-grid whose last, partial wave of row blocks is split into key shards, merged by a second launch.
+once, keeping the online-softmax state: the running max ``m`` (log2 units), the denominator
+``l``, the output accumulator ``acc_o``, one tangent accumulator ``acc_t`` and ``r``, the running
+row sum of E * tS (docs/math.md). Which tangents exist is a compile-time choice (HAS_TQ, HAS_TK,
+HAS_TV), so a zero tangent costs no matrix product. Non-causal launches over many keys (``SPLIT``)
+run on a 1-D grid whose last, partial wave of row blocks is split into key shards and merged by
+a second launch (``_split.py``).
 
-The ``TMA`` path (``use_tma``: on Hopper for 16-bit forward+JVP with key or value tangents at
-head dim 128; see ``TMA_DEFAULT``) loads every tile through tensor descriptors when the strides
-allow it: K, V, tK, tV through 4-D ones made on the host over a (B, H, N, D) view of either
-storage order, q and tq through ones built in the kernel (outputs are stored through pointers on
-both paths). Under ``FLASHJVP_TMA=ws`` only (experimental: Triton 3.6 leaves row blocks
-unwritten now and then) it adds a warp-specialized 4-warp tile (``WS``: one masked key loop,
-split by Triton into a producer and two 64-row consumer partitions) to the autotune candidates.
+On the ``TMA`` path (``_policy.use_tma``) every tile is loaded through tensor descriptors: K, V,
+tK, tV through 4-D ones made on the host over a (B, H, N, D) view of either storage order, q and
+tq through ones built in the kernel. Outputs are stored through pointers on both paths.
 """
 
 from __future__ import annotations
@@ -23,58 +20,33 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashjvp._common import (
-    LN2_K,
-    LOG2E,
-    aligned,
-    aligned3,
+from flashjvp._jit import LN2_K, LOG2E, aligned, aligned3, key_range, load_tile
+from flashjvp._launch import (
     dot_precision,
     empty_out,
     ensure_tma_allocator,
-    head_blocks,
-    interpreting,
-    keep_fitting,
-    key_range,
-    last_config,
     launch_device,
     launch_tuned,
-    length_bucket,
-    load_tile,
     lse_buffer,
     strides_bhnd,
-    tile_configs,
-    use_tma,
     vector_align,
 )
-from flashjvp._split import attn_merge, split_decode, split_grid, split_scratch, split_slots
+from flashjvp._policy import (
+    BLOCK_MS,
+    FWD_TILES,
+    MAX_BLOCK_N,
+    head_blocks,
+    length_bucket,
+    prune_fwd_configs,
+    split_grid,
+    split_slots,
+    tile_configs,
+    use_tma,
+)
+from flashjvp._split import attn_merge, split_decode, split_scratch
 from flashjvp._validate import AttnArgs
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the default of the pointer path.
-# (128, 64, 8, 2): 2.15 ms against 2.32 for the next best at B1 H40 Nq32760 Nk512 D128 with all
-# tangents (H200, pointer path; 128x64 w8 s3 does not fit in shared memory at D = 128).
-_FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (128, 64, 4, 3),
-              (64, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2),
-              (32, 16, 4, 1)]
-# Forward+JVP of 16-bit inputs at head dim 64 on the pointer path: only these (the H200's three
-# fastest at B4 H32 N4096 D64, causal or not; the autotuner ranked a 4.5% slower tile first when
-# given all of them: benchmarks/NOTES.md). 128x128 is kept to this case: elsewhere with tangents
-# its fp32 tiles do not fit in registers.
-_FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
-# Warp-specialized tiles (TMA path only): Triton 3.6 specializes the key loop on sm_90 only with
-# 4 warps and every tile moved by TMA (scripts/hopper_ws_probe.py). 128x64 also left whole row
-# blocks unwritten, in 4 of 4889 calls at B2 H24 N4096 D128 (runs/ws-soak-2026-12-03w.txt): so
-# these tiles run only under FLASHJVP_TMA=ws (TMA_DEFAULT).
-# BLOCK_N = 32 is left out: those tiles gave NaN on the H200 (scripts/tile_sweep.py --check); so is
-# 64x64: it leaves whole row blocks of o, to, lse and mu unwritten (TMA stores: 6 of 20 calls;
-# pointer stores: 5 of 4000 at B2 H24 N4096 D128 and every call of a causal GQA shape,
-# runs/ws-soak-2026-12-03u.txt, where 128x64 failed in none of 8000) and was never the fastest.
-_FWD_WS_TILES = [(128, 64, 4, 2)]
-# KEY_TAIL (the launcher's flag) is N_K % _MAX_BLOCK_N != 0: without it N_K must be a multiple
-# of the launched BLOCK_N, which the kernel asserts when it compiles (a forced or new tile too).
-_MAX_BLOCK_N = tl.constexpr(max(t[1] for t in _FWD_TILES + _FWD_JVP_D64_TILES + _FWD_WS_TILES))
-# Row-block heights of the candidates (16: the interpreter's tile): the tail-split scratch is
-# sized for the largest any of them needs.
-_BLOCK_MS = sorted({t[0] for t in _FWD_TILES + _FWD_JVP_D64_TILES + _FWD_WS_TILES} | {16})
+_MAX_BLOCK_N = tl.constexpr(MAX_BLOCK_N)
 
 
 def _set_tma_boxes(*args, **kwargs) -> None:
@@ -94,38 +66,6 @@ def _tma_descriptor(x: torch.Tensor, layout: str) -> TensorDescriptor:
     ``_set_tma_boxes``."""
     shape = x.shape if layout == "bhnd" else (x.shape[0], x.shape[2], x.shape[1], x.shape[3])
     return TensorDescriptor(x, list(shape), list(strides_bhnd(x, layout)), [1, 1, 1, 16])
-
-
-# Listed first, so that with FLASHJVP_AUTOTUNE=0 FLASHJVP_TMA=ws runs one of them; the prune drops
-# them on every other path (the kernel's TMA flag is 2 only there), and its fallback (the last
-# config) is a plain tile.
-_FWD_CONFIGS = ([] if interpreting() else tile_configs(_FWD_WS_TILES, WS=True)) + tile_configs(_FWD_TILES, WS=False)
-
-
-def _prune_fwd_configs(configs, named_args, **kwargs):
-    """Keep tiles whose pipelined K/V (and tK/tV) buffers fit in shared memory and whose fp32
-    accumulators fit in registers; without autotuning keep the first that fits."""
-    args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
-    dqk, dv = args["BLOCK_DQK"], args["BLOCK_DV"]
-    elt = args["Q"].element_size()  # q is a tensor on both paths
-    n_tan_kv = int(args["HAS_TK"]) * dqk + int(args["HAS_TV"]) * dv
-    jvp = args["HAS_TQ"] or args["HAS_TK"] or args["HAS_TV"]
-    d64_jvp = jvp and elt == 2 and dqk == dv == 64 and not args["TMA"]
-
-    def fits(c):
-        bm, bn, ws = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["WS"]
-        if d64_jvp:
-            return (bm, bn, c.num_warps, c.num_stages) in _FWD_JVP_D64_TILES
-        if ws and not (args["TMA"] == 2 and elt == 2):  # FLASHJVP_TMA=ws only (TMA_DEFAULT)
-            # float32 WS tiles compile without wgmma or specialization, 32 registers and ~190 KB of
-            # spills on sm_90a (scripts/compile_report.py --dtype fp32 --tma --ws)
-            return False
-        smem = c.num_stages * bn * (dqk + dv + n_tan_kv) * elt + bm * dqk * elt * (2 if jvp else 1)
-        acc_regs = bm * dv * (2 if jvp else 1) // (32 * c.num_warps)  # fp32 accumulators per thread
-        # warp-specialized consumers get more registers (setmaxnreg): allow twice as many
-        return smem <= 200 * 1024 and acc_regs <= (256 if ws else 128) and not (jvp and bn > 64)
-
-    return keep_fitting(configs, fits)
 
 
 @triton.jit
@@ -181,18 +121,17 @@ def _fwd_inner(
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality.
     With TMA the K/V sources are host-made tensor descriptors read at (``b``, ``h_kv``; zero-filled
-    out of bounds), else pointers."""
+    out of bounds), else pointers. Query rows are ``rows`` (within the block) + ``diag`` - causal_off."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     # tS is issued right after S, so that the MMA of E.V overlaps the E * tS arithmetic (Triton
-    # waits for a dot at once unless it only feeds a loop-carried accumulator): 6% faster at
-    # D = 64, 20% with the WS tile at D = 128 (H200). Not for 16-wide head blocks: there Triton
-    # 3.6 compiled that order to an illegal memory access (mqa-d1x3 test, benchmarks/NOTES.md).
+    # waits for a dot at once unless it only feeds a loop-carried accumulator). Not for 16-wide
+    # head blocks: there Triton 3.6 compiled that order to an illegal memory access on sm_90.
     EARLY_TS: tl.constexpr = q.shape[1] >= 32
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n  # (BLOCK_N,)
         kvalid = keys < N_K  # (BLOCK_N,)
         k = _load_kv(k_src, start_n, stride_kn, mask_dqk, kvalid, b, h_kv, not EVEN_DQK, MASKED,
@@ -244,9 +183,12 @@ def _lse(m_i, l_i):
     return tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV",
-                                           "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"],
-                 prune_configs_by={"early_config_prune": _prune_fwd_configs})
+_FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV",
+            "DOT_PREC", "TMA", "SPLIT"]
+
+
+@triton.autotune(configs=tile_configs(FWD_TILES), key=_FWD_KEY,
+                 prune_configs_by={"early_config_prune": prune_fwd_configs})
 @triton.heuristics({
     "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
     "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
@@ -262,7 +204,7 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WS: tl.constexpr, SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     if SPLIT:  # a 1-D grid: row blocks in (batch, head, block) order, then the key shards (_split.py)
         n_mb = tl.cdiv(N_Q, BLOCK_M)
@@ -291,8 +233,6 @@ def _attn_fwd_kernel(
     D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     m0 = pid_m * BLOCK_M
     rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows within the block
-    # Not used in the key loop: Triton 3.6's WS partitioner shifts m0 + arange by 64 rows twice in
-    # the second consumer partition; the loop gets `rows` and the scalar m0 + causal_off instead.
     offs_m = m0 + rows  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key offsets within a block
     offs_dqk = tl.arange(0, BLOCK_DQK)
@@ -302,11 +242,7 @@ def _attn_fwd_kernel(
     mask_dv = offs_dv < D_V
 
     if TMA:
-        # q and tq through descriptors built here, K..TV through host-made 4-D ones
-        # (_set_tma_boxes). Not q from the host: Triton 3.6's WS partitioner splits a host-made
-        # descriptor's 128-row load into two copies of the whole box each, the second shifted 64
-        # along the batch instead of the sequence dim, both counted as one half: the H200 hung
-        # (benchmarks/NOTES.md, sixth session; triton-lang/triton#11587 is the 2-D form).
+        # q and tq through descriptors built here, K..TV through host-made 4-D ones (_set_tma_boxes)
         q = _q_tile(Q + b * s_qb + h * s_qh, N_Q, D_QK, s_qn, m0, BLOCK_M, BLOCK_DQK)  # (BLOCK_M, BLOCK_DQK)
         tq = q
         if HAS_TQ:
@@ -333,8 +269,6 @@ def _attn_fwd_kernel(
     acc_t = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # Key blocks every row of this block sees completely run unmasked; the rest are masked.
-    # A warp-specialized loop must be the kernel's only loop (Triton 3.6 fails to compile a
-    # second one after it): then one loop runs over all blocks, masking each.
     # Without causality or a partial last key block (KEY_TAIL) the masked loop is not compiled.
     tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
     full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
@@ -344,31 +278,19 @@ def _attn_fwd_kernel(
         lo = shard * per_shard
         hi = tl.minimum(hi, lo + per_shard)
         full_end = tl.minimum(tl.maximum(full_end, lo), hi)
-    if WS:
-        full_end = lo
-    else:
-        acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-            acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, lo, full_end, N_K,
-            m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
-            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, False)
-    if WS or CAUSAL or KEY_TAIL:
+    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+        s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, lo, full_end, N_K,
+        m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
+        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+    if CAUSAL or KEY_TAIL:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
             m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
-            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA, WS)
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
-    # Pointer stores on both paths. On the TMA path addresses and masks are built from the
-    # scalar m0 plus `rows`, which Triton 3.6's warp-specialization partitioner shifts once per
-    # consumer partition (it shifted m0 + arange twice: benchmarks/NOTES.md); TMA stores through
-    # device-built descriptors left whole row blocks unwritten (NOTES, fifth session).
-    row_base = 0  # first row of the block, added as a scalar (TMA path)
-    out_rows = offs_m  # (BLOCK_M,) rows, relative to row_base
-    if TMA:
-        row_base = m0
-        out_rows = rows
     empty = l_i == 0.0
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)  # (BLOCK_M,)
     o = acc_o * inv_l[:, None]  # (BLOCK_M, BLOCK_DV)
@@ -384,21 +306,20 @@ def _attn_fwd_kernel(
             tl.store(TOP + prow[:, None] * BLOCK_DV + offs_dv[None, :], acc_t * inv_l_t[:, None] - mu[:, None] * o)
         tl.store(LSEP + prow, _lse(m_i, l_i))
         tl.store(MUP + prow, mu)
-    else:  # o is stored before `to` is formed: both live at once spilled registers (H200, 512 keys)
-        rmask = out_rows < N_Q - row_base  # (BLOCK_M,)
-        omask = rmask[:, None] & mask_dv[None, :]  # (BLOCK_M, BLOCK_DV)
-        tl.store(O + b * s_ob + h * s_oh + row_base * s_on + out_rows[:, None] * s_on + offs_dv[None, :] * s_od,
+    else:  # o is stored before `to` is formed: holding both at once spills registers
+        omask = mask_m[:, None] & mask_dv[None, :]  # (BLOCK_M, BLOCK_DV)
+        tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_on + offs_dv[None, :] * s_od,
                  o.to(O.dtype.element_ty), mask=omask)
         lse = _lse(m_i, l_i)  # (BLOCK_M,)
         mu = r_i * inv_l_t  # (BLOCK_M,) tangent of lse (zero without tangents)
         if JVP:
             to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
-            tl.store(TO + b * s_tob + h * s_toh + row_base * s_ton + out_rows[:, None] * s_ton
-                     + offs_dv[None, :] * s_tod, to.to(TO.dtype.element_ty), mask=omask)
-        row0 = (b * H_Q + h) * N_Q + row_base  # flat index of row_base in (B, H, N_Q)
-        tl.store(LSE + row0 + out_rows, lse, mask=rmask)
+            tl.store(TO + b * s_tob + h * s_toh + offs_m[:, None] * s_ton + offs_dv[None, :] * s_tod,
+                     to.to(TO.dtype.element_ty), mask=omask)
+        row0 = (b * H_Q + h) * N_Q  # flat index of row 0 in (B, H, N_Q)
+        tl.store(LSE + row0 + offs_m, lse, mask=mask_m)
         if STORE_MU:
-            tl.store(MU + row0 + out_rows, mu, mask=rmask)
+            tl.store(MU + row0 + offs_m, mu, mask=mask_m)
 
 
 _attn_fwd_kernel.fn.fn.add_pre_run_hook(_set_tma_boxes)  # autotune -> heuristics -> jit
@@ -410,10 +331,6 @@ def _scratch_args(scratch, o, lse):
         return o, o, lse, lse
     op, top, lsep, mup = scratch
     return op, op if top is None else top, lsep, mup
-
-
-# Launch counters: tests use them to prove that o and to come from one launch, and which path ran.
-launches = {"fwd": 0, "tma": 0, "split": 0}
 
 
 def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
@@ -440,9 +357,9 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
     # tail splitting (_split.py): a 1-D grid whose last programs are key shards of the last wave
     k_bucket = length_bucket(a.n_k)  # autotune key and split policy
-    slots = split_slots(q, causal=a.causal is not None, n_k_bucket=k_bucket, ws=tma == 2)
+    slots = split_slots(q, causal=a.causal is not None, n_k_bucket=k_bucket)
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
-    scratch = (split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in _BLOCK_MS}, a.n_k)
+    scratch = (split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in BLOCK_MS}, a.n_k)
                if slots else None)  # most launches: nothing to size
     capacity = 0 if scratch is None else scratch[0].shape[0]  # scratch rows
 
@@ -453,7 +370,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
         return (triton.cdiv(a.n_q, bm), a.h_q, a.batch)
 
     with launch_device(q):
-        launch_tuned(
+        config = launch_tuned(
             _attn_fwd_kernel, grid,
             *inputs, o, o if to is None else to, lse, lse if mu is None else mu,
             *_scratch_args(scratch, o, lse),
@@ -461,15 +378,13 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             a.batch, a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale, max(slots, 1),
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=k_bucket,
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
-            CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % _MAX_BLOCK_N.value != 0,
+            CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % MAX_BLOCK_N != 0,
             HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
             STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma, SPLIT=slots > 0,
         )
     if scratch:
-        bm = last_config["_attn_fwd_kernel"]["BLOCK_M"]
-        launches["split"] += attn_merge(o, to, lse, mu, scratch, strides[6:], h_q=a.h_q, n_q=a.n_q, d_v=a.d_v,
-                                        block_m=bm, block_dv=bdv, n_blocks=n_blocks(bm), slots=slots, n_k=a.n_k)
-    launches["fwd"] += 1
-    launches["tma"] += tma > 0
+        bm = config["BLOCK_M"]
+        attn_merge(o, to, lse, mu, scratch, strides[6:], h_q=a.h_q, n_q=a.n_q, d_v=a.d_v,
+                   block_m=bm, block_dv=bdv, n_blocks=n_blocks(bm), slots=slots, n_k=a.n_k)
     return o, to, lse, mu

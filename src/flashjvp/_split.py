@@ -1,81 +1,26 @@
 """Tail splitting for the forward kernel: the last, partial wave of row blocks runs in key shards.
 
-A long non-causal key loop (over 8192 keys: ``SPLIT_MIN_BUCKET``) makes every program (one block
-of query rows) take the same time, and the GPU runs about one such program per SM at a time.
-With ``W`` programs on ``S`` SMs the last wave holds only ``R = W % S`` of them while the other
-SMs idle: at B1 H12 N32768 D128 (3072 programs of 128 rows, 132 SMs) that is 36 programs, a
-quarter of a wave, in a 24-wave run. When
-``R <= S / 2`` the forward kernel instead runs those ``R`` row blocks as ``s = S // R`` programs
-each (``s`` at most ``n_k // SPLIT_MIN_KEYS``), every one over a contiguous shard of the keys,
-which write ``o``, ``to``, ``lse`` and ``mu`` of their shard to a small float32 scratch
-(``S * BLOCK_M`` rows); ``attn_merge`` then combines the shards of each row exactly (MATH.md,
-"Merging partial results"):
+When the last wave of a long non-causal launch is at most half full (``_policy.split_plan``), its
+``R`` row blocks run as ``s`` programs each, every one over a contiguous shard of the keys, which
+write ``o``, ``to``, ``lse`` and ``mu`` of their shard to a small float32 scratch; ``attn_merge``
+then combines the shards of each row exactly (docs/math.md, "Merging partial results"):
 
     LSE = logsumexp_i LSE_i ;  w_i = exp(LSE_i - LSE) ;  O = sum w_i O_i ;  mu = sum w_i mu_i
     tO = sum w_i (tO_i + mu_i O_i) - mu O
 
-Programs are launched in order (full row blocks first, shards last), so the shards fill the
-SMs that the full blocks free.
+Programs are launched in order (full row blocks first, shards last), so the shards fill the SMs
+that the full blocks free.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from flashjvp._common import LN2_K, LOG2E_K, launch_device, new_buffer
-
-# A shard runs at least this many keys: shorter ones would spend more on the merge than they save.
-SPLIT_MIN_KEYS = 512
-# Launches split only from this key-length bucket (``length_bucket``: more than 8192 keys). On the
-# H200 splitting made B1 H12 N32768 D128 3% faster (34.02 vs 35.11 ms) and B4 H32 N4096 D64 no
-# faster (3.07 vs 2.99, 3.23 vs 3.19, 3.19 vs 3.17 ms over three tiles; benchmarks/NOTES.md):
-# there each program is short, so the last wave is ragged rather than idle.
-SPLIT_MIN_BUCKET = 16384
-# Tests set this to split on the CPU (Triton's interpreter) or to force a split on a GPU.
-slots_override: int | None = None
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def split_slots(q: torch.Tensor, *, causal: bool, n_k_bucket: int, ws: bool) -> int:
-    """Programs the GPU runs at once (its SM count: the long-key tiles take one SM each), or 0
-    when the launch must not split: causal (row blocks differ in work), a warp-specialized
-    launch, keys in a bucket below ``SPLIT_MIN_BUCKET``, or ``FLASHJVP_TAIL_SPLIT=0``. Depends
-    on the key bucket, not the length, so that it is constant per autotune key."""
-    if causal or ws or n_k_bucket < SPLIT_MIN_BUCKET or os.environ.get("FLASHJVP_TAIL_SPLIT", "1") == "0":
-        return 0
-    if slots_override is not None:
-        return slots_override
-    return _sm_count(q.device.index) if q.is_cuda else 0
-
-
-def split_plan(n_blocks: int, slots: int, n_k: int, *, block_m: int = 1,
-               capacity: int | None = None) -> tuple[int, int]:
-    """``(n_full, shards)`` for ``n_blocks`` row-block programs on ``slots`` SMs: the first
-    ``n_full`` run whole, each later one as ``shards`` key shards (``shards == 1``: no split).
-    A split whose shards need more than ``capacity`` scratch rows (``block_m`` each; None:
-    unbounded) is dropped. The kernel recovers the plan from its grid size (``split_decode``)."""
-    tail = n_blocks % slots if slots else 0
-    if tail == 0 or 2 * tail > slots:
-        return n_blocks, 1
-    shards = min(slots // tail, n_k // SPLIT_MIN_KEYS)
-    if shards < 2 or (capacity is not None and tail * shards * block_m > capacity):
-        return n_blocks, 1
-    return n_blocks - tail, shards
-
-
-def split_grid(n_blocks: int, slots: int, n_k: int, *, block_m: int, capacity: int) -> int:
-    """Programs launched for ``split_plan``: full blocks plus ``shards`` per tail block."""
-    n_full, shards = split_plan(n_blocks, slots, n_k, block_m=block_m, capacity=capacity)
-    return n_full + (n_blocks - n_full) * shards
+from flashjvp._jit import LN2_K, LOG2E_K
+from flashjvp._launch import LaunchLog, launch_device, new_buffer, record_launch
+from flashjvp._policy import split_plan
 
 
 @triton.jit
@@ -183,4 +128,6 @@ def attn_merge(o, to, lse, mu, scratch, strides, *, h_q: int, n_q: int, d_v: int
             h_q, n_q, d_v, n_full, shards, block_m,
             ROWS=rows, BLOCK_DV=block_dv, JVP=to is not None, STORE_MU=mu is not None,
         )
+    if LaunchLog._active:
+        record_launch("_attn_merge_kernel", {"ROWS": rows}, SHARDS=shards)
     return True

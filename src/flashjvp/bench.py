@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from flashjvp import _common
+from flashjvp._launch import LaunchLog
 
 MODES = ("fwd", "fwd_jvp", "bwd", "scm")
 RUN_ORDER = ("fwd_jvp", "scm", "fwd", "bwd")  # so a --time-limit cuts the least central modes
@@ -332,9 +332,9 @@ def _reason(e: BaseException, caught) -> str:
 
 
 def describe_tiles(configs: dict[str, dict]) -> str | None:
-    """``kernel: BLOCK_M=.. BLOCK_N=.. [WS=True] num_warps=.. num_stages=..`` per launched kernel."""
-    keys = ("BLOCK_M", "BLOCK_N", "WS", "num_warps", "num_stages")
-    parts = [f"{name}: " + " ".join(f"{k}={c[k]}" for k in keys if k in c and (k != "WS" or c[k]))
+    """``kernel: BLOCK_M=.. BLOCK_N=.. num_warps=.. num_stages=..`` per launched kernel."""
+    keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    parts = [f"{name}: " + " ".join(f"{k}={c[k]}" for k in keys if k in c)
              for name, c in sorted(configs.items())]
     return "; ".join(parts) or None
 
@@ -351,9 +351,10 @@ def run_one(p: Provider, mode: str, x: Inputs, quick: bool) -> Row:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 fn, leaves = build(p, mode, x)
-                _common.last_config.clear()
                 row.ms, row.peak_mib, row.first_call_s = measure(fn, leaves, quick)
-                row.tiles = describe_tiles(_common.last_config)
+                with LaunchLog() as log:  # one more call, not timed: the tiles it ran
+                    fn()
+                row.tiles = describe_tiles({r.kernel: r.config for r in log.launches})
             row.tflops = s.flops(mode) / row.ms / 1e9
     except Exception as e:  # noqa: BLE001 - recorded as a skip, the run goes on
         row.skip = _reason(e, caught)

@@ -7,8 +7,8 @@ import torch.autograd.forward_ad as fwAD
 from torch._C._functorch import TransformType
 
 from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
-from flashjvp._common import interpreting
 from flashjvp._fwd import attn_fwd
+from flashjvp._policy import interpreting
 from flashjvp._validate import check_inputs
 from flashjvp.ref import attention_jvp_ref, attention_ref
 

@@ -1,0 +1,145 @@
+"""Host-side launch helpers: output buffers, strides, alignment, the tuned-launch fast path and
+``LaunchLog``, which lets a caller (tests, the benchmark) see which kernels ran with which tile."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from flashjvp._policy import poisoning
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the kernel's name, its tile config and the launch's flags."""
+
+    kernel: str
+    config: dict
+    flags: dict
+
+
+class LaunchLog:
+    """Records every flashjvp kernel launch made inside a ``with`` block (this process, any
+    thread): ``log.launches`` lists :class:`Launch` records, ``log.count(name)`` counts them."""
+
+    _active: list[list[Launch]] = []
+
+    def __enter__(self) -> LaunchLog:
+        self.launches: list[Launch] = []
+        LaunchLog._active.append(self.launches)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        LaunchLog._active.remove(self.launches)
+        return False
+
+    def count(self, kernel: str, **flags) -> int:
+        """Launches of ``kernel`` whose flags include ``flags``."""
+        return sum(r.kernel == kernel and all(r.flags.get(k) == v for k, v in flags.items())
+                   for r in self.launches)
+
+
+def record_launch(kernel: str, config: dict, **flags) -> None:
+    for log in LaunchLog._active:
+        log.append(Launch(kernel, config, flags))
+
+
+# Configs the autotuner picked, per (kernel, dtype, key values): see launch_tuned.
+_TUNED: dict = {}
+
+
+def launch_tuned(kernel, grid, *args, **kwargs) -> dict:
+    """Launch an ``@triton.autotune`` kernel; returns the config it ran with. Triton's Autotuner
+    rebuilds its cache key from all of a launch's ~60 arguments on every call, which costs more
+    host time than a short kernel runs. Here the key is read from the keyword arguments that the
+    kernel's ``key`` names (the launchers pass all of them by keyword) and the dtype of the first
+    argument (a tensor on every path; the others have its dtype or float32); the first call for a
+    key tunes through the Autotuner, later ones launch the picked config directly. ``kernel`` is
+    ``@triton.autotune`` over ``@triton.heuristics`` whose rules read keyword arguments only."""
+    key = (kernel, args[0].dtype, *[kwargs[k] for k in kernel.keys])
+    config = _TUNED.get(key)
+    if config is None:
+        kernel[grid](*args, **kwargs)
+        config = _TUNED[key] = kernel.best_config.all_kwargs()
+    else:
+        heuristics = kernel.fn  # evaluated on ``kwargs``, not on Triton's dict of all arguments
+        flags = {name: rule(kwargs) for name, rule in heuristics.values.items()}
+        heuristics.fn[grid](*args, **kwargs, **flags, **config)
+    if LaunchLog._active:
+        record_launch(kernel.base_fn.__name__, config, **kwargs)
+    return config
+
+
+# FLASHJVP_POISON, read once: buffers are made on every call.
+_POISON = poisoning()
+
+
+def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An output buffer the kernels overwrite completely (NaN-filled under FLASHJVP_POISON=1)."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    return x.fill_(float("nan")) if _POISON else x
+
+
+def buffer_like(x: torch.Tensor) -> torch.Tensor:
+    """``new_buffer`` with ``x``'s shape, dtype and (dense) strides, as autograd expects for grads."""
+    y = torch.empty_like(x)
+    return y.fill_(float("nan")) if _POISON else y
+
+
+def out_shape(batch: int, heads: int, n: int, d: int, layout: str) -> tuple[int, int, int, int]:
+    return (batch, heads, n, d) if layout == "bhnd" else (batch, n, heads, d)
+
+
+def empty_out(batch: int, heads: int, n: int, d: int, layout: str, like: torch.Tensor) -> torch.Tensor:
+    """Attention output buffer in ``layout``, contiguous."""
+    return new_buffer(out_shape(batch, heads, n, d, layout), like.dtype, like.device)
+
+
+def lse_buffer(batch: int, heads: int, n: int, device) -> torch.Tensor:
+    """Per-row float32 statistics (lse, mu, delta): (B, H, N), contiguous."""
+    return new_buffer((batch, heads, n), torch.float32, device)
+
+
+def strides_bhnd(x: torch.Tensor | None, layout: str) -> tuple[int, int, int, int]:
+    """(batch, head, seq, dim) strides of a tensor given in ``layout``; zeros for ``None``."""
+    if x is None:
+        return (0, 0, 0, 0)
+    s = x.stride()
+    return s if layout == "bhnd" else (s[0], s[2], s[1], s[3])
+
+
+def vector_align(strides, *dims: int) -> int:
+    """8 when every batch/head/sequence stride (``strides_bhnd`` tuples) and head dim is a
+    multiple of 8 elements, else 1. Passed to the kernels as ``ALIGN``: Triton only infers that
+    an integer argument is a multiple of 16, so D = 40, 72 or 136 and their strides would
+    otherwise compile to one 2-byte load per element instead of 16-byte vectors."""
+    g = math.gcd(*dims)  # gcds, not a generator over ~30 values: small shapes are launch-bound
+    for st in strides:
+        g = math.gcd(g, st[0], st[1], st[2])
+    return 8 if g % 8 == 0 else 1
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs follow ``torch.backends.cuda.matmul.allow_tf32`` (PyTorch's rule);
+    half inputs use the tensor cores' native precision."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def launch_device(x: torch.Tensor):
+    """Context making ``x``'s GPU the current device for a launch (a no-op on the CPU)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def ensure_tma_allocator() -> None:
+    """Kernels that build tensor descriptors on the device need scratch memory from Triton's
+    allocator; set one backed by PyTorch's caching allocator unless the program has set its own."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
