@@ -32,7 +32,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from flashjvp import _bwd, _fwd, _split  # noqa: E402
+from flashjvp import _bwd, _fwd, _policy  # noqa: E402
 from flashjvp._validate import check_inputs  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -92,7 +92,8 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=0, metavar="SLOTS",
                     help="forward: tail splitting as on a GPU with SLOTS SMs (e.g. 132; _split.py)")
     args = ap.parse_args()
-    _split.slots_override = args.split or None
+    if args.split:  # the SM count the tail-split policy sees (0 off the GPU)
+        _policy.sm_count = lambda device: args.split
     if args.tma:
         os.environ["FLASHJVP_TMA"] = "1"
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -104,12 +105,10 @@ def main() -> None:
 
     q, k, v = t(args.d), t(args.d), t(dv)
     a = check_inputs(q, k, v, causal=args.causal, scale=None, layout=args.layout)
-    for kern, tiles in ((_fwd._attn_fwd_kernel, _fwd._FWD_TILES), (_bwd._attn_bwd_dkdv_kernel, _bwd._BWD_TILES),
-                        (_bwd._attn_bwd_dq_kernel, _bwd._BWD_TILES)):
-        # further constexprs the kernel's own configs set, as its last (plain) config sets them
-        flags = {k: v for k, v in kern.configs[-1].kwargs.items() if k not in ("BLOCK_M", "BLOCK_N")}
+    for kern, tiles in ((_fwd._attn_fwd_kernel, _policy.FWD_TILES), (_bwd._attn_bwd_dkdv_kernel, _policy.BWD_TILES),
+                        (_bwd._attn_bwd_dq_kernel, _policy.BWD_TILES)):
         bm, bn, w, s = args.tile or tiles[0]  # one config: the autotuner then just launches it
-        kern.configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **flags}, num_warps=w, num_stages=s)]
+        kern.configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)]
     JITFunction.run = _compile_only
     if args.mode == "bwd":
         lse = torch.zeros(args.b, args.h, args.n)

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 import flashjvp
-from flashjvp._common import LOG2E
 from flashjvp._fwd import _fwd_inner, _lse
+from flashjvp._jit import LOG2E
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def _tile(Q, K, V, TQ, TK, TV, O, TO, LSE, q, tq, pid_m, h32, b32, tile, n_tiles
         acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
         s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_d, mask_d, 0, N_K, N_K,
         0, scale_log2, scale, b32, h32, BLOCK_N, False, False, True, True,
-        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, False, False)
+        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, False)
     if PREFETCH:  # in flight while o and to are formed and stored
         q, tq = _load_q(Q, TQ, tile + step, n_tiles, n_mb, H_Q, N_Q, s_qb, s_qh, s_qn,
                         s_tqb, s_tqh, s_tqn, BLOCK_M, D, HAS_TQ)
