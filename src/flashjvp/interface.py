@@ -8,8 +8,9 @@ from torch._C._functorch import TransformType
 
 from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._fwd import attn_fwd
+from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op
 from flashjvp._policy import interpreting
-from flashjvp._validate import check_inputs
+from flashjvp._validate import AttnArgs, check_inputs
 from flashjvp.ref import attention_jvp_ref, attention_ref
 
 __all__ = ["attention", "attention_jvp"]
@@ -38,13 +39,50 @@ def _plain(stack: list, *xs: torch.Tensor) -> bool:
     """No autograd graph to record, no forward-AD level and no ``torch.func`` transform: the
     launcher can run without an ``autograd.Function``, whose ``apply`` costs about as much
     Python as the rest of a call (it binds its arguments with ``inspect.Signature.bind``)."""
-    if stack or fwAD._current_level >= 0:
-        return False
-    return not (torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs))
+    return not (stack or _forward_ad_active() or _needs_grad(*xs))
+
+
+def _needs_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
 
 
 def _has_tangent(x: torch.Tensor) -> bool:
     return fwAD.unpack_dual(x).tangent is not None
+
+
+def _forward_ad_active() -> bool:
+    """A forward-AD level is open (``torch.func.jvp`` opens one too). Unlike the functorch
+    interpreter stack, Dynamo can read this while it traces."""
+    return fwAD._current_level >= 0
+
+
+def _cpu_block(q: torch.Tensor) -> int | None:
+    return None if q.is_cuda else _CPU_BLOCK_Q
+
+
+# The kernel paths of ``attention`` and ``attention_jvp`` outside a graph: eager calls, and the
+# calls a compiled graph leaves to them (forward-mode AD, see _ops.py). Opaque to Dynamo, so that
+# a frame it falls back on never has the launchers' Python traced.
+@torch.compiler.disable
+def _attention_kernels(q, k, v, a: AttnArgs) -> torch.Tensor:
+    stack = _transforms()
+    if _needs_math_path(stack):
+        return attention_ref(q, k, v, causal=a.causal, scale=a.scale, layout=a.layout, block_q=_cpu_block(q))
+    if _plain(stack, q, k, v):
+        return attn_fwd(q, k, v, None, None, None, a)[0]
+    defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
+    return AttentionFunction.apply(q, k, v, a, defer)[0]
+
+
+@torch.compiler.disable
+def _attention_jvp_kernels(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
+    stack = _transforms()
+    if _needs_math_path(stack):
+        return attention_jvp_ref(q, k, v, tq, tk, tv, causal=a.causal, scale=a.scale, layout=a.layout,
+                                 return_lse=True, block_q=_cpu_block(q))
+    if _plain(stack, q, k, v, tq, tk, tv):
+        return attn_fwd(q, k, v, tq, tk, tv, a, store_mu=return_lse)
+    return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, return_lse)
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
@@ -70,16 +108,11 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
     ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
     """
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
-    kernels = _use_kernels(q)
-    stack = _transforms() if kernels else []
-    if not kernels or _needs_math_path(stack):
-        return attention_ref(q, k, v, causal=causal, scale=scale, layout=layout,
-                             block_q=None if q.is_cuda else _CPU_BLOCK_Q)
-    if _plain(stack, q, k, v):
-        return attn_fwd(q, k, v, None, None, None, a)[0]
-    defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
-    o, _ = AttentionFunction.apply(q, k, v, a, defer)
-    return o
+    if not _use_kernels(q):
+        return attention_ref(q, k, v, causal=causal, scale=scale, layout=layout, block_q=_cpu_block(q))
+    if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
+        return attn_fwd_op(q, k, v, a.causal, a.scale, a.layout)[0]
+    return _attention_kernels(q, k, v, a)
 
 
 def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
@@ -101,16 +134,15 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
                      allow_float64=False)
-    kernels = _use_kernels(q)
-    stack = _transforms() if kernels else []
-    if not kernels or _needs_math_path(stack):
-        o, to, lse, mu = attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale,
-                                           layout=layout, return_lse=True,
-                                           block_q=None if q.is_cuda else _CPU_BLOCK_Q)
-    elif _plain(stack, q, k, v, tq, tk, tv):
-        o, to, lse, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=return_lse)
+    if not _use_kernels(q):
+        o, to, lse, mu = attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
+                                           return_lse=True, block_q=_cpu_block(q))
+    elif torch.compiler.is_compiling() and not (_forward_ad_active() or _needs_grad(q, k, v, tq, tk, tv)):
+        # In the graph only without autograd: the operator cannot refuse a gradient reaching
+        # ``to`` (AOTAutograd hands it zeros, not None), which the eager path does.
+        o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq, tk, tv, a.causal, a.scale, a.layout)
     else:
-        o, to, lse, mu = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, return_lse)
+        o, to, lse, mu = _attention_jvp_kernels(q, k, v, tq, tk, tv, a, return_lse)
     if to is None:  # no tangent at all
         to = torch.zeros_like(o)
     if return_lse and mu is None:

@@ -39,8 +39,8 @@ __all__ = ["sdpa", "patch_sdpa", "SDPAFallbackWarning"]
 # ``torch.nn.functional.scaled_dot_product_attention`` to :func:`sdpa`.
 _torch_sdpa = torch._C._nn.scaled_dot_product_attention
 
-# True while :func:`sdpa` runs: every patch_sdpa mode then passes calls through untouched, so
-# the fallbacks' own call of PyTorch's SDPA never comes back here (nested modes included).
+# True while a fallback of :func:`sdpa` runs: every patch_sdpa mode then passes calls through
+# untouched, so the fallbacks' own call of PyTorch's SDPA never comes back here (nested modes too).
 _inside_sdpa: contextvars.ContextVar[bool] = contextvars.ContextVar("flashjvp_inside_sdpa",
                                                                     default=False)
 
@@ -83,10 +83,14 @@ class SDPAFallbackWarning(UserWarning):
     """A :func:`sdpa` call that flashjvp's kernels cannot serve took a PyTorch path instead."""
 
 
+_OWN_FILES = {__file__, torch._dynamo.eval_frame.__file__}
+
+
 def _warn_once(reason: str) -> None:
-    """Warn about ``reason`` once per call site: the first frame outside this module."""
+    """Warn about ``reason`` once per call site: the first frame outside this module (and
+    outside the wrapper of ``torch.compiler.disable``)."""
     frame, level = sys._getframe(0), 1
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and frame.f_code.co_filename in _OWN_FILES:
         frame, level = frame.f_back, level + 1
     key = (frame.f_code.co_filename, frame.f_lineno, reason) if frame is not None else ("", 0, reason)
     with _warned_lock:
@@ -237,14 +241,20 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     PyTorch's math backend in plain ops, correct under the same transforms; calls SDPA rejects
     raise SDPA's own error. Both fallbacks warn once per call site (:class:`SDPAFallbackWarning`).
     """
+    route = _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if route is None:
+        out = attention(_to_bhnd(query), _to_bhnd(key), _to_bhnd(value), causal=is_causal, scale=scale)
+        return out.reshape(*query.shape[:-1], value.shape[-1])
+    return _fallback(*route, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+# Outside any compiled graph: it warns (reading the caller's frame) and guards against its own
+# SDPA call coming back through patch_sdpa's mode (a context variable), neither of which Dynamo
+# traces; under torch.compile a call that falls back breaks the graph here, the kernel path not.
+@torch.compiler.disable
+def _fallback(path, reason, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     token = _inside_sdpa.set(True)
     try:
-        route = _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        if route is None:
-            out = attention(_to_bhnd(query), _to_bhnd(key), _to_bhnd(value), causal=is_causal,
-                            scale=scale)
-            return out.reshape(*query.shape[:-1], value.shape[-1])
-        path, reason = route
         if path == _MATH:
             _warn_once(f"{reason}; using PyTorch's math attention (plain torch ops)")
             return _math_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -1,0 +1,217 @@
+"""torch.compile: the custom operators' contracts (opcheck, fake shapes) and the five ways users
+combine flashjvp with torch.compile, each checked against the float64 reference (tangents too:
+a compiled path that dropped the custom jvp rule would give a wrong tangent, not an error).
+
+On the CPU the kernels run in Triton's interpreter inside the operators and the graph around
+them is compiled by AOTAutograd (``aot_eager``); on a GPU by Inductor."""
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import flashjvp
+from flashjvp._launch import LaunchLog
+from flashjvp._ops import attn_bwd_op, attn_fwd_jvp_op, attn_fwd_op
+from helpers import DEVICE, ON_GPU, assert_close, f64, grad_refs, jvp_refs, make_qkv
+
+BACKEND = "inductor" if ON_GPU else "aot_eager"
+DT = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float32]
+DT_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# (B, Hq, Hkv, Nq, Nk, Dqk, Dv, layout, causal)
+CASES = [
+    pytest.param((2, 2, 2, 37, 37, 32, 32, "bhnd", True), id="self-causal"),
+    pytest.param((1, 4, 2, 19, 45, 40, 24, "bnhd", False), id="gqa-cross-bnhd"),
+]
+if ON_GPU:
+    CASES += [pytest.param((2, 8, 2, 999, 999, 128, 128, "bnhd", "bottom_right"), id="gqa-999-d128-bnhd"),
+              pytest.param((1, 4, 4, 1024, 1024, 64, 64, "bhnd", False), id="1024-d64")]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(case, dtype):
+    b, hq, hkv, nq, nk, dqk, dv, layout, causal = case
+    xs = make_qkv(b, hq, hkv, nq, nk, dqk, dv, layout, dtype)
+    return xs, dict(causal=causal, layout=layout)
+
+
+def _compile(fn, fullgraph=False):
+    return torch.compile(fn, backend=BACKEND, fullgraph=fullgraph)
+
+
+def _check_jvp(o, to, xs, kw, dtype):
+    truth, lowp = jvp_refs(*xs, **kw)
+    assert_close("o", o, truth[0], lowp[0], dtype)
+    assert_close("to", to, truth[1], lowp[1], dtype)
+
+
+@pytest.mark.parametrize("dtype", DT, ids=lambda d: DT_IDS[d])
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_forward_fullgraph(case, dtype):
+    xs, kw = _inputs(case, dtype)
+    f = _compile(lambda q, k, v: flashjvp.attention(q, k, v, **kw), fullgraph=True)
+    with LaunchLog() as log:
+        o = f(*xs[:3])
+    assert log.count("_attn_fwd_kernel") == 1
+    truth, lowp = jvp_refs(*xs, **kw)
+    assert_close("o", o, truth[0], lowp[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", DT, ids=lambda d: DT_IDS[d])
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_training_step_fullgraph(case, dtype):
+    xs, kw = _inputs(case, dtype)
+    leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
+    do = torch.randn_like(flashjvp.attention_ref(*xs[:3], **kw))
+    f = _compile(lambda q, k, v: (flashjvp.attention(q, k, v, **kw) * do).sum(), fullgraph=True)
+    with LaunchLog() as log:
+        f(*leaves).backward()
+    assert log.count("_attn_fwd_kernel") == 1 and log.count("_attn_bwd_dq_kernel") == 1
+    truth, lowp = grad_refs(*xs[:3], do, **kw)
+    for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth, lowp):
+        assert_close(name, x.grad, t, lp, dtype)
+
+
+@pytest.mark.parametrize("dtype", DT, ids=lambda d: DT_IDS[d])
+@pytest.mark.parametrize("case", CASES)
+def test_jvp_of_compiled_function(case, dtype):
+    """``torch.func.jvp(torch.compile(f))``: the fused kernel runs once, the tangent is right."""
+    xs, kw = _inputs(case, dtype)
+    f = _compile(lambda q, k, v: flashjvp.attention(q, k, v, **kw))
+    with LaunchLog() as log:
+        o, to = torch.func.jvp(f, tuple(xs[:3]), tuple(xs[3:]))
+    assert log.count("_attn_fwd_kernel", HAS_TQ=True) == 1
+    _check_jvp(o, to, xs, kw, dtype)
+
+
+@pytest.mark.parametrize("dtype", DT, ids=lambda d: DT_IDS[d])
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_function_calling_jvp(case, dtype):
+    """``torch.compile(lambda: torch.func.jvp(f, ...))``: attention leaves the graph and runs
+    the fused kernel eagerly (Dynamo would drop the custom jvp rule)."""
+    xs, kw = _inputs(case, dtype)
+
+    def f(q, k, v):
+        return flashjvp.attention(q, k, v, **kw)
+
+    g = _compile(lambda *a: torch.func.jvp(f, a[:3], a[3:]))
+    with LaunchLog() as log:
+        o, to = g(*xs)
+    assert log.count("_attn_fwd_kernel", HAS_TQ=True) == 1
+    _check_jvp(o, to, xs, kw, dtype)
+
+
+@pytest.mark.parametrize("dtype", DT, ids=lambda d: DT_IDS[d])
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_attention_jvp(case, dtype):
+    """Explicit tangents without autograd: the fwd_jvp operator in the graph, fullgraph."""
+    xs, kw = _inputs(case, dtype)
+    g = _compile(lambda *a: flashjvp.attention_jvp(*a, return_lse=True, **kw), fullgraph=True)
+    with LaunchLog() as log:
+        o, to, lse, mu = g(*xs)
+    assert log.count("_attn_fwd_kernel") == 1
+    truth, lowp = jvp_refs(*xs, **kw)
+    for name, got, t, lp in zip(("o", "to", "lse", "mu"), (o, to, lse, mu), truth, lowp):
+        assert_close(name, got, t, lp, dtype)
+
+
+def test_compiled_attention_jvp_with_grad_keeps_eager_semantics():
+    """With inputs that require grad the call runs eagerly: gradients through ``o`` work and a
+    gradient reaching ``to`` raises, as without compile."""
+    xs, kw = _inputs((1, 2, 2, 21, 21, 16, 16, "bhnd", True), torch.float32)
+    leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
+    g = _compile(lambda *a: flashjvp.attention_jvp(*a, **kw))
+    o, to = g(*leaves, *xs[3:])
+    o.sum().backward()
+    truth, lowp = grad_refs(*xs[:3], torch.ones_like(o), **kw)
+    assert_close("dq", leaves[0].grad, truth[0], lowp[0], torch.float32)
+    o, to = g(*leaves, *xs[3:])
+    with pytest.raises(NotImplementedError, match="tangent"):
+        to.sum().backward()
+
+
+def test_forward_ad_inside_and_around_compile():
+    """Dual tensors (``torch.autograd.forward_ad``) made outside or inside the compiled function."""
+    xs, kw = _inputs((1, 2, 1, 23, 30, 16, 16, "bnhd", "bottom_right"), torch.float32)
+
+    def inner(*a):
+        with fwAD.dual_level():
+            o = flashjvp.attention(*[fwAD.make_dual(x, t) for x, t in zip(a[:3], a[3:])], **kw)
+            return fwAD.unpack_dual(o)
+
+    o, to = _compile(inner)(*xs)
+    _check_jvp(o, to, xs, kw, torch.float32)
+    f = _compile(lambda q, k, v: flashjvp.attention(q, k, v, **kw))
+    with fwAD.dual_level():
+        o, to = fwAD.unpack_dual(f(*[fwAD.make_dual(x, t) for x, t in zip(xs[:3], xs[3:])]))
+    _check_jvp(o, to, xs, kw, torch.float32)
+
+
+def test_meanflow_step_compiled():
+    """``torch.func.jvp`` inside a compiled training step, then backward through the primal."""
+    xs, kw = _inputs((2, 2, 2, 17, 17, 16, 16, "bhnd", False), torch.float32)
+    leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
+
+    def step(q, k, v, tq, tk, tv):
+        o, to = torch.func.jvp(lambda *a: flashjvp.attention(*a, **kw), (q, k, v), (tq, tk, tv))
+        return (o * to.detach()).sum()
+
+    _compile(step)(*leaves, *xs[3:]).backward()
+    ref = [x.clone().requires_grad_() for x in f64(xs[:3])]
+    o, to = torch.func.jvp(lambda *a: flashjvp.attention_ref(*a, **kw), tuple(ref), tuple(f64(xs[3:])))
+    (o * to.detach()).sum().backward()
+    for name, x, r in zip(("dq", "dk", "dv"), leaves, ref):
+        torch.testing.assert_close(x.grad.double(), r.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_sdpa_compiled_fullgraph():
+    q, k, v = make_qkv(2, 4, 4, 33, 33, 16, 16, "bhnd", torch.float32, tangents=False)
+    f = _compile(lambda q, k, v: flashjvp.sdpa(q, k, v, is_causal=True), fullgraph=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(*f64((q, k, v)), is_causal=True)
+    torch.testing.assert_close(f(q, k, v).double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_patch_sdpa_compiled_module():
+    """A module calling ``F.scaled_dot_product_attention``, compiled inside ``patch_sdpa()``:
+    flashjvp's kernel runs, forward and backward match eager."""
+    attn = torch.nn.MultiheadAttention(32, 4, batch_first=True, device=DEVICE)
+    x = torch.randn(2, 19, 32, device=DEVICE)
+    eager = attn(x, x, x, need_weights=False)[0]
+    with flashjvp.patch_sdpa(), LaunchLog() as log:
+        out = _compile(lambda x: attn(x, x, x, need_weights=False)[0])(x)
+    assert log.count("_attn_fwd_kernel") >= 1
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_opcheck(layout):
+    """The operators' schemas, fake implementations, autograd registration and strides agree
+    with their real implementations (``torch.library.opcheck``)."""
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 9, 13, 16, 16, layout, torch.float32)
+    opts = ("top_left", 0.25, layout)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(attn_fwd_op, (*leaves, *opts))
+    torch.library.opcheck(attn_fwd_jvp_op, (q, k, v, tq, None, tv, *opts))
+    torch.library.opcheck(attn_fwd_jvp_op, (q, k, v, None, None, None, *opts))
+    o, lse = attn_fwd_op(q, k, v, *opts)
+    torch.library.opcheck(attn_bwd_op, (torch.randn_like(o), q, k, v, o, lse, *opts))
+
+
+def test_fake_shapes_without_running():
+    """Under FakeTensorMode the operators give their outputs' shapes, dtypes and strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 7, 4, 40, dtype=torch.bfloat16, device=DEVICE)  # bnhd
+        k = torch.empty(2, 9, 2, 40, dtype=torch.bfloat16, device=DEVICE)
+        v = torch.empty(2, 9, 2, 24, dtype=torch.bfloat16, device=DEVICE)
+        o, to, lse, mu = attn_fwd_jvp_op(q, k, v, q, None, None, None, 0.5, "bnhd")
+        dq, dk, dv = attn_bwd_op(o, q, k, v, o, lse, None, 0.5, "bnhd")
+    assert o.shape == to.shape == (2, 7, 4, 24) and o.is_contiguous() and o.dtype == torch.bfloat16
+    assert lse.shape == mu.shape == (2, 4, 7) and lse.dtype == mu.dtype == torch.float32
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
