@@ -11,7 +11,7 @@ import torch.autograd.forward_ad as fwAD
 
 import flashjvp
 from flashjvp._launch import LaunchLog
-from flashjvp._ops import attn_bwd_op, attn_fwd_jvp_op, attn_fwd_op
+from flashjvp._ops import attn_bwd_jvp_op, attn_bwd_op, attn_fwd_jvp_op, attn_fwd_op
 from helpers import DEVICE, ON_GPU, assert_close, f64, grad_refs, jvp_refs, make_qkv
 
 BACKEND = "inductor" if ON_GPU else "aot_eager"
@@ -120,19 +120,27 @@ def test_compiled_attention_jvp(case, dtype):
         assert_close(name, got, t, lp, dtype)
 
 
-def test_compiled_attention_jvp_with_grad_keeps_eager_semantics():
-    """With inputs that require grad the call runs eagerly: gradients through ``o`` work and a
-    gradient reaching ``to`` raises, as without compile."""
-    xs, kw = _inputs((1, 2, 2, 21, 21, 16, 16, "bhnd", True), torch.float32)
-    leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
-    g = _compile(lambda *a: flashjvp.attention_jvp(*a, **kw))
-    o, to = g(*leaves, *xs[3:])
-    o.sum().backward()
-    truth, lowp = grad_refs(*xs[:3], torch.ones_like(o), **kw)
-    assert_close("dq", leaves[0].grad, truth[0], lowp[0], torch.float32)
-    o, to = g(*leaves, *xs[3:])
-    with pytest.raises(NotImplementedError, match="tangent"):
-        to.sum().backward()
+@pytest.mark.parametrize("dtype", DT, ids=lambda d: DT_IDS[d])
+def test_compiled_attention_jvp_second_order_fullgraph(dtype):
+    """Gradients through ``o`` and ``to`` of a compiled ``attention_jvp`` (the fwd_jvp and
+    bwd_jvp operators), against float64 double differentiation of the math reference."""
+    case = CASES[1].values[0]
+    xs, kw = _inputs(case, dtype)
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+    w = [torch.randn_like(flashjvp.attention_ref(*xs[:3], **kw)) for _ in range(2)]
+
+    def loss(attention_jvp, *a):
+        o, to = attention_jvp(*a, **kw)
+        return (o * w[0].to(o.dtype)).sum() + (to * w[1].to(o.dtype)).sum()
+
+    _compile(lambda *a: loss(flashjvp.attention_jvp, *a), fullgraph=True)(*leaves).backward()
+    truth, lowp = [], []
+    for prec, grads in ((torch.float64, truth), (dtype, lowp)):
+        ref = [x.detach().to(prec).requires_grad_() for x in xs]
+        loss(flashjvp.attention_jvp_ref, *ref).backward()
+        grads.extend(x.grad for x in ref)
+    for name, x, t, lp in zip(("dq", "dk", "dv", "dtq", "dtk", "dtv"), leaves, truth, lowp):
+        assert_close(name, x.grad, t, lp, dtype)
 
 
 def test_forward_ad_inside_and_around_compile():
@@ -198,8 +206,12 @@ def test_opcheck(layout):
     torch.library.opcheck(attn_fwd_op, (*leaves, *opts))
     torch.library.opcheck(attn_fwd_jvp_op, (q, k, v, tq, None, tv, *opts))
     torch.library.opcheck(attn_fwd_jvp_op, (q, k, v, None, None, None, *opts))
+    torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq.requires_grad_(), None, tv, *opts))
     o, lse = attn_fwd_op(q, k, v, *opts)
     torch.library.opcheck(attn_bwd_op, (torch.randn_like(o), q, k, v, o, lse, *opts))
+    o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq.detach(), None, tv, *opts)
+    cot = [torch.randn_like(x) for x in (o, o, lse, lse)]
+    torch.library.opcheck(attn_bwd_jvp_op, (q, k, v, tq.detach(), None, tv, o, to, lse, mu, *cot, *opts))
 
 
 def test_fake_shapes_without_running():

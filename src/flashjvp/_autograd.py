@@ -17,14 +17,10 @@ import inspect
 import torch
 
 from flashjvp._bwd import attn_bwd
+from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
 from flashjvp._launch import empty_out, lse_buffer
 from flashjvp._validate import AttnArgs
-
-_TANGENT_GRAD_MSG = (
-    "flashjvp: gradients through the tangent output `to` (or `mu`/`lse`) are not supported yet "
-    "(second order). Detach it (e.g. `loss(out, tout.detach())`) or use flashjvp.attention_ref."
-)
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -53,9 +49,9 @@ class AttentionFunction(torch.autograd.Function):
     def jvp(ctx, tq, tk, tv, *_):
         q, k, v, o, lse = ctx.saved_tensors
         # Launched through AttentionJVPFunction: it receives plain tensors under torch.func
-        # (functorch unwraps custom Functions' inputs) and its backward refuses d/d(to).
+        # (functorch unwraps custom Functions' inputs), and its backward differentiates ``to``.
         out = (o, lse) if ctx.defer else (None, None)
-        _, to, _, _ = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, ctx.a, False, *out)
+        _, to, _, _ = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, ctx.a, True, *out)
         return (torch.zeros_like(o) if to is None else to), None
 
     @staticmethod
@@ -68,10 +64,9 @@ class AttentionFunction(torch.autograd.Function):
 
 
 class AttentionJVPFunction(torch.autograd.Function):
-    """``(o, to, lse, mu) = attention_jvp(q, k, v, tq, tk, tv)`` in one launch.
-
-    Differentiable through ``o`` only; a gradient reaching ``to``, ``lse`` or ``mu`` raises.
-    """
+    """``(o, to, lse, mu) = attention_jvp(q, k, v, tq, tk, tv)`` in one launch; every output is
+    differentiable with respect to q, k, v and the tangents (``_bwd_jvp.py``; ``mu`` is needed
+    for that, so pass ``store_mu=True`` when a backward may follow)."""
 
     @staticmethod
     def forward(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool, o=None, lse=None):
@@ -82,12 +77,10 @@ class AttentionJVPFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, a = inputs[0], inputs[1], inputs[2], inputs[6]
-        o, _, lse, _ = output
-        ctx.a = a
+        ctx.a = inputs[6]
         ctx.set_materialize_grads(False)
-        if any(ctx.needs_input_grad[:3]):
-            ctx.save_for_backward(q, k, v, o, lse)
+        if any(ctx.needs_input_grad[:6]):
+            ctx.save_for_backward(*inputs[:6], *output)
 
     @staticmethod
     def jvp(ctx, *tangents):
@@ -98,13 +91,13 @@ class AttentionJVPFunction(torch.autograd.Function):
     def backward(ctx, do, dto, dlse, dmu):
         # o may be one of forward's buffers filled in place (AttentionFunction.jvp): its
         # gradient is AttentionFunction's to compute, so do is None there.
-        if dto is not None or dlse is not None or dmu is not None:
-            raise NotImplementedError(_TANGENT_GRAD_MSG)
-        if do is None:
-            return (None,) * 10
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, ctx.a)
-        return (dq, dk, dv) + (None,) * 7
+        q, k, v, tq, tk, tv, o, to, lse, mu = ctx.saved_tensors
+        if dto is None and dlse is None and dmu is None:  # first order: the plain backward
+            if do is None:
+                return (None,) * 10
+            return (*attn_bwd(do, q, k, v, o, lse, ctx.a), *(None,) * 7)
+        grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, ctx.a)
+        return (*grads, *(None,) * 4)
 
 
 # torch.autograd.Function.apply binds its arguments with inspect.signature(forward) on every call

@@ -59,16 +59,20 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> dict:
     kernel's ``key`` names (the launchers pass all of them by keyword) and the dtype of the first
     argument (a tensor on every path; the others have its dtype or float32); the first call for a
     key tunes through the Autotuner, later ones launch the picked config directly. ``kernel`` is
-    ``@triton.autotune`` over ``@triton.heuristics`` whose rules read keyword arguments only."""
+    ``@triton.autotune`` over an optional ``@triton.heuristics`` whose rules read keyword
+    arguments only."""
     key = (kernel, args[0].dtype, *[kwargs[k] for k in kernel.keys])
     config = _TUNED.get(key)
     if config is None:
         kernel[grid](*args, **kwargs)
         config = _TUNED[key] = kernel.best_config.all_kwargs()
     else:
-        heuristics = kernel.fn  # evaluated on ``kwargs``, not on Triton's dict of all arguments
-        flags = {name: rule(kwargs) for name, rule in heuristics.values.items()}
-        heuristics.fn[grid](*args, **kwargs, **flags, **config)
+        inner = kernel.fn
+        rules = getattr(inner, "values", None)  # @triton.heuristics, if any: its rules, on ``kwargs``
+        if rules is not None:
+            kwargs = {**kwargs, **{name: rule(kwargs) for name, rule in rules.items()}}
+            inner = inner.fn
+        inner[grid](*args, **kwargs, **config)
     if LaunchLog._active:
         record_launch(kernel.base_fn.__name__, config, **kwargs)
     return config

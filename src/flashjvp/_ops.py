@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from flashjvp._bwd import attn_bwd
+from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
 from flashjvp._launch import out_shape
 from flashjvp._validate import AttnArgs, check_inputs
@@ -90,6 +91,28 @@ def _(do, q, k, v, o, lse, causal, scale, layout):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("flashjvp::bwd_jvp", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_bwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
+                    o: Tensor, to: Tensor, lse: Tensor, mu: Tensor, do: Tensor | None, dto: Tensor | None,
+                    dlse: Tensor | None, dmu: Tensor | None, causal: str | None, scale: float,
+                    layout: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dtq, dtk, dtv)`` of ``fwd_jvp``; a tangent's gradient is an empty tensor
+    when the tangent is None (an operator cannot return None)."""
+    grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu,
+                         _args(q, k, v, causal, scale, layout))
+    return tuple(q.new_empty(0) if g is None else g for g in grads)
+
+
+@attn_bwd_jvp_op.register_fake
+def _(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, causal, scale, layout):
+    a = _args(q, k, v, causal, scale, layout)
+    if a.layout == "bhnd":
+        like = lambda x: torch.empty_like(x, memory_format=torch.contiguous_format)  # noqa: E731
+    else:  # (B, H, N, D) contiguous buffers, returned transposed
+        like = lambda x: torch.empty_like(x.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)  # noqa: E731
+    return (*(like(x) for x in (q, k, v)), *(q.new_empty(0) if t is None else like(t) for t in (tq, tk, tv)))
+
+
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, causal, scale, layout = inputs
     o, lse = output
@@ -105,3 +128,17 @@ def _fwd_backward(ctx, do, _dlse):
 
 
 attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+def _fwd_jvp_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:6], *output)
+    ctx.options = inputs[6:]
+
+
+def _fwd_jvp_backward(ctx, do, dto, dlse, dmu):
+    q, k, v, tq, tk, tv, o, to, lse, mu = ctx.saved_tensors
+    grads = attn_bwd_jvp_op(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *ctx.options)
+    return (*grads[:3], *(None if t is None else g for t, g in zip((tq, tk, tv), grads[3:])), None, None, None)
+
+
+attn_fwd_jvp_op.register_autograd(_fwd_jvp_backward, setup_context=_fwd_jvp_setup_context)

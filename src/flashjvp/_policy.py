@@ -86,6 +86,8 @@ FWD_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), 
 FWD_JVP_D64_TILES = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)]
 BWD_TILES = [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3),
              (128, 128, 8, 2), (32, 32, 4, 2), (16, 32, 4, 1)]
+# Backward of forward+JVP (second order): four accumulators per key block, so narrower tiles.
+BWD_JVP_TILES = [(64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 32, 4, 1), (16, 16, 4, 1)]
 INTERPRETER_TILE = (16, 16, 4, 1)
 # Widest key block of any forward tile: N_K % MAX_BLOCK_N == 0 lets the kernel skip the masked
 # loop for the key tail (KEY_TAIL) whichever tile runs.
@@ -147,6 +149,21 @@ def prune_bwd_configs(configs, named_args, **kwargs):
         bm, bn, warps, stages = tile_of(c)
         smem = (stages + 1) * max(bm, bn) * d * elt
         return smem <= _SMEM_BYTES and max(bm, bn) * d // (32 * warps) <= _ACC_REGS
+
+    return keep_fitting(configs, fits)
+
+
+def prune_bwd_jvp_configs(configs, named_args, **kwargs):
+    """Second-order backward tiles: dK, dtK, dV, dtV (or dQ, dtQ) and the key block's k, v, tk,
+    tv tiles per program must fit in registers; the streamed q-side tiles in shared memory."""
+    args = {**named_args, **kwargs}
+    d = args["BLOCK_DQK"] + args["BLOCK_DV"]
+    elt = args["Q"].element_size()
+
+    def fits(c):
+        bm, bn, warps, stages = tile_of(c)
+        smem = (stages + 1) * max(bm, bn) * 2 * d * elt
+        return smem <= _SMEM_BYTES and max(bm, bn) * 2 * d // (32 * warps) <= _ACC_REGS
 
     return keep_fitting(configs, fits)
 

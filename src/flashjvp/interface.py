@@ -82,7 +82,7 @@ def _attention_jvp_kernels(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
                                  return_lse=True, block_q=_cpu_block(q))
     if _plain(stack, q, k, v, tq, tk, tv):
         return attn_fwd(q, k, v, tq, tk, tv, a, store_mu=return_lse)
-    return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, return_lse)
+    return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True)  # mu: for the backward
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
@@ -129,17 +129,15 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
         ``(o, to)``, or ``(o, to, lse, mu)`` with ``lse, mu`` (B, Hq, Nq) float32
         (``lse = -inf``, ``mu = 0`` for rows that see no key). ``o`` and ``to`` have o's layout.
 
-    ``o`` is differentiable w.r.t. q, k, v; gradients through ``to``/``lse``/``mu`` raise
-    ``NotImplementedError`` (second order is not supported yet).
+    Every output is differentiable with respect to q, k, v and the given tangents (Triton
+    backward kernels; through ``to``, ``lse`` or ``mu`` this is the second-order backward).
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
                      allow_float64=False)
     if not _use_kernels(q):
         o, to, lse, mu = attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
                                            return_lse=True, block_q=_cpu_block(q))
-    elif torch.compiler.is_compiling() and not (_forward_ad_active() or _needs_grad(q, k, v, tq, tk, tv)):
-        # In the graph only without autograd: the operator cannot refuse a gradient reaching
-        # ``to`` (AOTAutograd hands it zeros, not None), which the eager path does.
+    elif torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
         o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq, tk, tv, a.causal, a.scale, a.layout)
     else:
         o, to, lse, mu = _attention_jvp_kernels(q, k, v, tq, tk, tv, a, return_lse)

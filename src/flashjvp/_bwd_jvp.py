@@ -1,0 +1,289 @@
+"""Backward of the fused forward+JVP (second order): gradients of ``(o, to, lse, mu)`` with respect
+to q, k, v and their tangents tq, tk, tv, in Triton, with P and its tangent recomputed tile by tile
+(no N x N buffer). docs/math.md ("Gradients through the tangent") derives the formulas; per row i
+and key j, with ts the tangent logits (scaled), c = dto . o and g = dmu - c:
+
+    dP_ij  = do_i . v_j + dto_i . tv_j + (ts_ij - mu_i) (dto_i . v_j) + g_i ts_ij
+    delta_i = do_i . o_i + dto_i . to_i + g_i mu_i
+    dS = P * (dP - delta + dlse)        dTS = P * (dto . v^T + g)
+    dQ = scale (dS K + dTS tK)          dK = scale (dS^T Q + dTS^T tQ)     dV = P^T dO + tP^T dtO
+    dtQ = scale dTS K                   dtK = scale dTS^T Q                dtV = P^T dtO
+    where tP = P * (ts - mu)
+
+Two launches as in the first-order backward (``_bwd.py``): per query block dQ and dtQ (it also
+stores delta and g for its rows), then per key block and kv head dK, dV, dtK, dtV, summing the
+query heads of a GQA group in a fixed order. Missing tangents and missing cotangents are
+compile-time flags, so their products are skipped. The launcher hands the kernels (B, H, N, D)
+contiguous copies of its inputs, so the kernels need no strides.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashjvp._jit import LOG2E, LOG2E_K
+from flashjvp._launch import dot_precision, launch_device, launch_tuned, new_buffer
+from flashjvp._policy import BWD_JVP_TILES, head_blocks, length_bucket, prune_bwd_jvp_configs, tile_configs
+from flashjvp._validate import AttnArgs
+
+_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "DOT_PREC",
+        "HAS_TQ", "HAS_TK", "HAS_TV", "HAS_DO", "HAS_DTO"]
+
+
+@triton.jit
+def _tile(base, rows, cols, n_rows, n_cols, row_stride):
+    """(len(rows), len(cols)) tile of a row-major (n_rows, row_stride) matrix; zeros outside."""
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return tl.load(base + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL: tl.constexpr):
+    """P (rows x keys) from logits ``s`` in log2 units and the rows' lse2; 0 where not visible."""
+    p = tl.math.exp2(s - lse2[:, None])
+    visible = (keys < N_K)[None, :]
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None] + causal_off)
+    return tl.where(visible, p, 0.0)
+
+
+@triton.jit
+def _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv,
+               HAS_TS: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr, HAS_DTO: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """(dS, dTS) of one (rows x keys) tile; ``ts`` is unused without HAS_TS."""
+    dp = tl.zeros_like(p)
+    dtsv = tl.zeros_like(p)  # dto . v^T
+    if HAS_DO:
+        dp = tl.dot(do, tl.trans(v), dp, input_precision=DOT_PREC)
+    if HAS_DTO:
+        if HAS_TV:
+            dp = tl.dot(dto, tl.trans(tv), dp, input_precision=DOT_PREC)
+        if HAS_TS:
+            dtsv = tl.dot(dto, tl.trans(v), dtsv, input_precision=DOT_PREC)
+    if HAS_TS:
+        dp += (ts - mu[:, None]) * dtsv + g[:, None] * ts
+    ds = p * (dp - delta[:, None] + dlse[:, None])
+    dts = p * (dtsv + g[:, None])
+    return ds, dts
+
+
+@triton.autotune(configs=tile_configs(BWD_JVP_TILES), key=_KEY,
+                 prune_configs_by={"early_config_prune": prune_bwd_jvp_configs})
+@triton.jit
+def _attn_bwd_jvp_dq_kernel(
+    Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ,
+    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
+    HAS_DTO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    h_kv = h // GROUPS
+    bh = b * H_Q + h  # (batch, query head)
+    bkv = b * (H_Q // GROUPS) + h_kv  # (batch, kv head)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    rvalid = rows < N_Q
+    cqk = tl.arange(0, BLOCK_DQK)
+    cv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = _tile(Q + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+    tq = q
+    if HAS_TQ:
+        tq = _tile(TQ + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+    o = _tile(O + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
+    do = o
+    dto = o
+    idx = bh * N_Q + rows  # (BLOCK_M,) flat row index in (B, H, N_Q)
+    mu = tl.load(MU + idx, mask=rvalid, other=0.0)
+    dmu = tl.load(DMU + idx, mask=rvalid, other=0.0)
+    dlse = tl.load(DLSE + idx, mask=rvalid, other=0.0)
+    delta = tl.zeros([BLOCK_M], tl.float32)
+    c = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_DO:
+        do = _tile(DO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+        delta += tl.sum(do.to(tl.float32) * o, 1)
+    if HAS_DTO:
+        dto = _tile(DTO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+        to = _tile(TO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V).to(tl.float32)
+        delta += tl.sum(dto.to(tl.float32) * to, 1)
+        c = tl.sum(dto.to(tl.float32) * o, 1)
+    g = dmu - c  # (BLOCK_M,)
+    if HAS_TS:
+        delta += g * mu
+    tl.store(DELTA + idx, delta, mask=rvalid)  # read by the dK/dV kernel launched next
+    tl.store(G + idx, g, mask=rvalid)
+    lse = tl.load(LSE + idx, mask=rvalid, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)  # P = 0 on rows without keys
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
+    dtq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
+    hi = N_K
+    if CAUSAL:
+        hi = tl.minimum(N_K, tl.maximum(pid_m * BLOCK_M + BLOCK_M + causal_off, 0))
+    for start_n in range(0, hi, BLOCK_N):
+        keys = start_n + offs_n  # (BLOCK_N,)
+        k = _tile(K + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+        v = _tile(V + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+        tk = k
+        tv = v
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
+        p = _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL)
+        ts = tl.zeros_like(p)
+        if HAS_TQ:
+            ts = tl.dot(tq, tl.trans(k), ts, input_precision=DOT_PREC)
+        if HAS_TK:
+            tk = _tile(TK + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+            ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
+        ts = ts * scale
+        if HAS_TV:
+            tv = _tile(TV + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+        ds, dts = _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv, HAS_TS, HAS_TV, HAS_DO, HAS_DTO,
+                             DOT_PREC)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+        if HAS_TK:
+            dq = tl.dot(dts.to(tk.dtype), tk, dq, input_precision=DOT_PREC)
+        if HAS_TQ:
+            dtq = tl.dot(dts.to(k.dtype), k, dtq, input_precision=DOT_PREC)
+    omask = rvalid[:, None] & (cqk < D_QK)[None, :]
+    out = bh * N_Q * D_QK + rows[:, None] * D_QK + cqk[None, :]
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=omask)
+    if HAS_TQ:
+        tl.store(DTQ + out, (dtq * scale).to(DTQ.dtype.element_ty), mask=omask)
+
+
+@triton.autotune(configs=tile_configs(BWD_JVP_TILES), key=_KEY,
+                 prune_configs_by={"early_config_prune": prune_bwd_jvp_configs})
+@triton.jit
+def _attn_bwd_jvp_dkdv_kernel(
+    Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV,
+    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
+    HAS_DTO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
+    pid_n = tl.program_id(0)
+    h_kv = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    bkv = b * (H_Q // GROUPS) + h_kv
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    cqk = tl.arange(0, BLOCK_DQK)
+    cv = tl.arange(0, BLOCK_DV)
+    offs_m = tl.arange(0, BLOCK_M)
+    k = _tile(K + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+    v = _tile(V + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+    tk = k
+    tv = v
+    if HAS_TK:
+        tk = _tile(TK + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+    if HAS_TV:
+        tv = _tile(TV + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+    dtk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    dtv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo = 0
+    if CAUSAL:  # query rows that see some key of this block
+        lo = (tl.maximum(pid_n * BLOCK_N - causal_off, 0) // BLOCK_M) * BLOCK_M
+    for gi in range(GROUPS):  # the query heads of this kv head, summed in a fixed order
+        bh = b * H_Q + h_kv * GROUPS + gi
+        for start_m in range(lo, N_Q, BLOCK_M):
+            rows = start_m + offs_m  # (BLOCK_M,)
+            rvalid = rows < N_Q
+            idx = bh * N_Q + rows
+            q = _tile(Q + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+            lse = tl.load(LSE + idx, mask=rvalid, other=float("-inf"))
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
+            p = _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL)
+            tq = q
+            ts = tl.zeros_like(p)
+            if HAS_TQ:
+                tq = _tile(TQ + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+                ts = tl.dot(tq, tl.trans(k), ts, input_precision=DOT_PREC)
+            if HAS_TK:
+                ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
+            ts = ts * scale
+            mu = tl.load(MU + idx, mask=rvalid, other=0.0)
+            g = tl.load(G + idx, mask=rvalid, other=0.0)
+            delta = tl.load(DELTA + idx, mask=rvalid, other=0.0)
+            dlse = tl.load(DLSE + idx, mask=rvalid, other=0.0)
+            do = q
+            dto = q
+            if HAS_DO:
+                do = _tile(DO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+                dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PREC)
+            if HAS_DTO:
+                dto = _tile(DTO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+                if HAS_TS:
+                    tp = p * (ts - mu[:, None])  # (BLOCK_M, BLOCK_N): tangent of P
+                    dv = tl.dot(tl.trans(tp).to(dto.dtype), dto, dv, input_precision=DOT_PREC)
+                if HAS_TV:
+                    dtv = tl.dot(tl.trans(p).to(dto.dtype), dto, dtv, input_precision=DOT_PREC)
+            ds, dts = _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv, HAS_TS, HAS_TV, HAS_DO, HAS_DTO,
+                                 DOT_PREC)
+            dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=DOT_PREC)
+            if HAS_TQ:
+                dk = tl.dot(tl.trans(dts).to(tq.dtype), tq, dk, input_precision=DOT_PREC)
+            if HAS_TK:
+                dtk = tl.dot(tl.trans(dts).to(q.dtype), q, dtk, input_precision=DOT_PREC)
+    kmask = (keys < N_K)[:, None]
+    out_k = bkv * N_K * D_QK + keys[:, None] * D_QK + cqk[None, :]
+    out_v = bkv * N_K * D_V + keys[:, None] * D_V + cv[None, :]
+    tl.store(DK + out_k, (dk * scale).to(DK.dtype.element_ty), mask=kmask & (cqk < D_QK)[None, :])
+    tl.store(DV + out_v, dv.to(DV.dtype.element_ty), mask=kmask & (cv < D_V)[None, :])
+    if HAS_TK:
+        tl.store(DTK + out_k, (dtk * scale).to(DTK.dtype.element_ty), mask=kmask & (cqk < D_QK)[None, :])
+    if HAS_TV:
+        tl.store(DTV + out_v, dtv.to(DTV.dtype.element_ty), mask=kmask & (cv < D_V)[None, :])
+
+
+def _bhnd(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
+    """``x`` as a contiguous (B, H, N, D) tensor (a copy unless it already is one)."""
+    if x is None:
+        return None
+    return (x if layout == "bhnd" else x.transpose(1, 2)).contiguous()
+
+
+def _in_layout(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
+    return x if (x is None or layout == "bhnd") else x.transpose(1, 2)
+
+
+def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: AttnArgs):
+    """Gradients ``(dq, dk, dv, dtq, dtk, dtv)`` of ``(o, to, lse, mu) = attention_jvp(...)``
+    given the cotangents ``do, dto`` (o's shape) and ``dlse, dmu`` ((B, Hq, Nq)); any cotangent
+    and any tangent may be ``None`` (zero; the tangent's gradient is then ``None``). ``lse`` and
+    ``mu`` are the forward's float32 statistics. Gradients have their input's shape and layout."""
+    L = a.layout
+    q, k, v, tq, tk, tv, o, to, do, dto = (_bhnd(x, L) for x in (q, k, v, tq, tk, tv, o, to, do, dto))
+    zeros = torch.zeros_like(lse)
+    dlse = zeros if dlse is None else dlse.float().contiguous()
+    dmu = zeros if dmu is None else dmu.float().contiguous()
+    mu = zeros if mu is None else mu.contiguous()
+    if to is None:
+        to = o
+    dq, dk, dv = (new_buffer(x.shape, x.dtype, x.device) for x in (q, k, v))
+    dtq, dtk, dtv = (None if t is None else new_buffer(t.shape, t.dtype, t.device) for t in (tq, tk, tv))
+    delta, g = new_buffer(lse.shape, torch.float32, lse.device), new_buffer(lse.shape, torch.float32, lse.device)
+    bdqk, bdv = head_blocks(a.d_qk, a.d_v)
+    flags = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk, D_V=a.d_v,
+                 BLOCK_DQK=bdqk, BLOCK_DV=bdv, CAUSAL=a.causal is not None, DOT_PREC=dot_precision(q.dtype),
+                 HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
+                 HAS_DO=do is not None, HAS_DTO=dto is not None)
+    sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale)
+    alt = lambda x, y: y if x is None else x  # noqa: E731  (a tensor the kernel never reads)
+    grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
+    grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
+    with launch_device(q):
+        launch_tuned(_attn_bwd_jvp_dq_kernel, grid_q, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v), o, to,
+                     alt(do, o), alt(dto, o), lse, mu, dlse, dmu, delta, g, dq, alt(dtq, dq), *sizes, **flags)
+        launch_tuned(_attn_bwd_jvp_dkdv_kernel, grid_kv, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v),
+                     alt(do, o), alt(dto, o), lse, mu, dlse, delta, g, dk, dv, alt(dtk, dk), alt(dtv, dv),
+                     *sizes, **flags)
+    return tuple(_in_layout(x, L) for x in (dq, dk, dv, dtq, dtk, dtv))
