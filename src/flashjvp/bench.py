@@ -31,8 +31,8 @@ import torch
 
 from flashjvp._launch import LaunchLog
 
-MODES = ("fwd", "fwd_jvp", "bwd", "scm")
-RUN_ORDER = ("fwd_jvp", "scm", "fwd", "bwd")  # so a --time-limit cuts the least central modes
+MODES = ("fwd", "fwd_jvp", "bwd", "scm", "jvp_bwd")
+RUN_ORDER = ("fwd_jvp", "scm", "jvp_bwd", "fwd", "bwd")  # so a --time-limit cuts the least central modes
 BUILTIN_PROVIDERS = ("flashjvp", "torch-flash", "torch-cudnn", "torch-math-jvp", "jvp-flash-attention")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Live (B, H, Nq, Nk) float32 buffers of the math SDPA JVP (it upcasts half inputs to fp32).
@@ -90,7 +90,9 @@ SHAPES = (
 def attention_flops(b, hq, nq, nk, dqk, dv, causal, mode, all_tangents=True) -> float:
     """FLOPs credited to one call: forward = 2*B*Hq*Nq*Nk*(Dqk+Dv) (two matmuls), times the visible
     fraction when causal (1/2 for Nq == Nk); fwd_jvp = 3x forward (2x when tk = tv = None);
-    bwd = 2.5x forward; scm = fwd_jvp + fwd + bwd. Same count for every provider of a workload."""
+    bwd = 2.5x forward; scm = fwd_jvp + fwd + bwd; jvp_bwd (forward+JVP, then the gradients of o
+    and to with respect to q, k, v and the tangents) = fwd_jvp + 10x forward (7x when tk = tv =
+    None: the products of the second-order backward). Same count for every provider of a workload."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")
     frac = 1.0
@@ -99,7 +101,8 @@ def attention_flops(b, hq, nq, nk, dqk, dv, causal, mode, all_tangents=True) -> 
         frac = 0.5 if nq == nk else (m * (m + 1) / 2 + (nq - m) * nk) / (nq * nk)
     fwd = 2.0 * b * hq * nq * nk * (dqk + dv) * frac
     jvp = (3.0 if all_tangents else 2.0) * fwd
-    return {"fwd": fwd, "fwd_jvp": jvp, "bwd": 2.5 * fwd, "scm": jvp + fwd + 2.5 * fwd}[mode]
+    jvp_bwd = jvp + (10.0 if all_tangents else 7.0) * fwd
+    return {"fwd": fwd, "fwd_jvp": jvp, "bwd": 2.5 * fwd, "scm": jvp + fwd + 2.5 * fwd, "jvp_bwd": jvp_bwd}[mode]
 
 
 @dataclass
@@ -197,7 +200,7 @@ def builtin_provider(name: str) -> Provider:
     if name == "torch-math-jvp":  # scm: math JVP, then fused SDPA forward + backward
         fused = _sdpa([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                        SDPBackend.EFFICIENT_ATTENTION])
-        return Provider(name, ("fwd_jvp", "scm"), fwd=fused, jvp=_math_jvp, check=_math_check)
+        return Provider(name, ("fwd_jvp", "scm", "jvp_bwd"), fwd=fused, jvp=_math_jvp, check=_math_check)
     if name == "jvp-flash-attention":
         from jvp_flash_attention.jvp_attention import JVPAttn
 
@@ -286,6 +289,15 @@ def build(p: Provider, mode: str, x: Inputs) -> tuple[Callable, list[torch.Tenso
     if mode == "bwd":
         o = p.fwd(g)
         return (lambda: o.backward(x.do, retain_graph=True)), leaves
+    if mode == "jvp_bwd":  # gradients through o and its tangent (second order), tangents as leaves
+        g = replace(g, **{n: t.detach().requires_grad_() for n in ("tq", "tk", "tv")
+                          if (t := getattr(x, n)) is not None})
+        leaves += [t for t in (g.tq, g.tk, g.tv) if t is not None]
+
+        def jvp_backward():
+            o, to = p.jvp(g)[:2]
+            torch.autograd.backward((o, to), (x.do, x.do))
+        return jvp_backward, leaves
 
     def scm_step():  # sCM: JVP without grad for the target, then a training forward + backward
         with torch.no_grad():
@@ -434,12 +446,12 @@ def format_report(rows: list[Row], meta: dict) -> str:
     for mode in MODES:
         sel = [r for r in rows if r.mode == mode]
         if sel:
-            body = [[f"{r.shape} {r.name}", r.dims, r.tangents if mode in ("fwd_jvp", "scm") else "",
+            body = [[f"{r.shape} {r.name}", r.dims, r.tangents if mode in ("fwd_jvp", "scm", "jvp_bwd") else "",
                      r.provider, _fmt(r.ms, ".3f"), _fmt(r.tflops, ".1f"), _fmt(r.peak_mib, ".0f"),
                      (r.skip or "")[:160]] for r in sel]
             header = ["shape", "dims", "tangents", "provider", "ms", "TFLOP/s", "peak extra MiB", "skipped"]
             parts += [f"## {mode}", _md_table(header, body)]
-    for mode in ("fwd_jvp", "scm"):
+    for mode in ("fwd_jvp", "scm", "jvp_bwd"):
         sp = speedups(rows, mode)
         others = list(dict.fromkeys(p for _, p in sp))
         if others:
