@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 import flashjvp
-from flashjvp._bwd import launches as bwd_launches
-from flashjvp._fwd import launches as fwd_launches
+from flashjvp._launch import LaunchLog
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
@@ -112,25 +111,22 @@ def grad_refs(q, k, v, do, **kw):
     return out
 
 
-class Launches:
-    """Counts flashjvp's forward and backward kernel launches inside a ``with`` block."""
-
-    def __enter__(self):
-        self._f0, self._b0 = fwd_launches["fwd"], bwd_launches["bwd"]
-        return self
+class Launches(LaunchLog):
+    """A :class:`flashjvp._launch.LaunchLog` that, on leaving the ``with`` block, also counts the
+    forward kernel's launches (``fwd``) and the backward's (``bwd``: one dQ launch per backward)."""
 
     def __exit__(self, *exc):
-        self.fwd = fwd_launches["fwd"] - self._f0
-        self.bwd = bwd_launches["bwd"] - self._b0
-        return False
+        self.fwd = self.count("_attn_fwd_kernel")
+        self.bwd = self.count("_attn_bwd_dq_kernel")
+        return super().__exit__(*exc)
 
 
 def spy_autotuner(monkeypatch, arg: str) -> list:
     """Forget the configs launch_tuned has picked and record ``arg`` of every call that reaches
     the forward kernel's Autotuner (launch_tuned's first call per key); returns the record."""
-    from flashjvp import _common, _fwd
+    from flashjvp import _fwd, _launch
 
-    monkeypatch.setattr(_common, "_TUNED", {})
+    monkeypatch.setattr(_launch, "_TUNED", {})
     kernel = _fwd._attn_fwd_kernel
     seen = []
     real_run = kernel.run
@@ -138,19 +134,19 @@ def spy_autotuner(monkeypatch, arg: str) -> list:
     return seen
 
 
-def force_fwd_tile(monkeypatch, *, ws: bool, tma: str, tile=None) -> list:
+def force_fwd_tile(monkeypatch, *, tma: str, tile=None) -> list:
     """Run the forward kernel with one tile, ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
-    (default: a small 4-warp tile), warp-specialized or not, under ``FLASHJVP_TMA=tma``;
-    returns the list the TMA flag of every launch is appended to."""
+    (default: a small 4-warp tile), under ``FLASHJVP_TMA=tma`` (``"0"``, ``"1"`` or ``"auto"``);
+    returns the list the TMA flag of every launch that reaches the Autotuner is appended to."""
     import triton
 
     from flashjvp import _fwd
-    from flashjvp._common import interpreting
+    from flashjvp._policy import interpreting
 
     monkeypatch.setenv("FLASHJVP_TMA", tma)
     bm, bn, warps, stages = tile or ((16, 16, 4, 2) if interpreting() else (64, 32, 4, 2))
     kernel = _fwd._attn_fwd_kernel
-    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": ws},
+    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn},
                                                           num_warps=warps, num_stages=stages)])
     monkeypatch.setattr(kernel, "cache", {})
     return spy_autotuner(monkeypatch, "TMA")

@@ -67,16 +67,30 @@ def test_forward_ad_dual_tensors_partial_tangents(with_tangent):
     assert_close("to", to, truth[1], lowp[1], torch.float32)
 
 
-def test_jacfwd_and_vmap_small():
+def test_jacfwd_small():
     q, k, v = make_qkv(1, 1, 1, 4, 5, 3, 2, "bhnd", torch.float32, tangents=False)
     jac = torch.func.jacfwd(lambda q: flashjvp.attention(q, k, v, causal=True))(q)
     ref = torch.func.jacfwd(lambda q: flashjvp.attention_ref(q.double(), k.double(), v.double(), causal=True))(
         q.double())
     torch.testing.assert_close(jac.double(), ref, rtol=1e-4, atol=1e-5)
-    qs = torch.randn(3, *q.shape, device=DEVICE)
-    batched = torch.func.vmap(lambda q: flashjvp.attention(q, k, v))(qs)
-    looped = torch.stack([flashjvp.attention_ref(x, k, v) for x in qs])
+
+
+def test_vmap_matches_per_example_kernel_calls():
+    """Under vmap flashjvp runs its math path (no launch); each example's slice must match the
+    kernel run on that slice alone (one launch per example) and the float64 reference."""
+    q, k, v = make_qkv(3, 2, 1, 6, 7, 8, 4, "bhnd", torch.float32, tangents=False)  # batch: vmapped
+    f = lambda q, v: flashjvp.attention(q, k[:1], v, causal="bottom_right")  # noqa: E731
+    with Launches() as n:
+        batched = torch.func.vmap(f)(q[:, None], v[:, None])
+    assert n.fwd == 0
+    with Launches() as n:
+        looped = torch.stack([f(q[i : i + 1], v[i : i + 1]) for i in range(3)])
+    assert n.fwd == 3
+    truth = torch.stack([flashjvp.attention_ref(q[i : i + 1].double(), k[:1].double(), v[i : i + 1].double(),
+                                                causal="bottom_right") for i in range(3)])
+    assert batched.shape == looped.shape == truth.shape
     torch.testing.assert_close(batched, looped, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched.double(), truth, rtol=1e-5, atol=1e-5)
 
 
 def test_transformer_block_under_func_jvp_matches_math():

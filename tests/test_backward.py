@@ -5,8 +5,8 @@ import torch
 
 import flashjvp
 import flashjvp._bwd
-import flashjvp._common
 import flashjvp._fwd
+import flashjvp._launch
 from helpers import (
     DTYPE_IDS,
     DTYPES,
@@ -116,7 +116,7 @@ def test_aligned_rows_vector_path(layout, monkeypatch):
     seen = []
 
     def spy(*args):
-        seen.append(flashjvp._common.vector_align(*args))
+        seen.append(flashjvp._launch.vector_align(*args))
         return seen[-1]
 
     for mod in (flashjvp._fwd, flashjvp._bwd):

@@ -93,11 +93,11 @@ def test_report_files(tmp_path):
 
 
 def test_describe_tiles():
-    configs = {"_attn_fwd_kernel": {"BLOCK_M": 128, "BLOCK_N": 64, "WS": True, "num_warps": 4, "num_stages": 2},
+    configs = {"_attn_fwd_kernel": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
                "_attn_bwd_dq_kernel": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "num_ctas": 1}}
     assert bench.describe_tiles(configs) == (
         "_attn_bwd_dq_kernel: BLOCK_M=64 BLOCK_N=32 num_warps=4 num_stages=2; "
-        "_attn_fwd_kernel: BLOCK_M=128 BLOCK_N=64 WS=True num_warps=4 num_stages=2")
+        "_attn_fwd_kernel: BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=2")
     assert bench.describe_tiles({}) is None
 
 

@@ -1,11 +1,10 @@
 """Fused forward + JVP kernel against the float64 math reference."""
 
-import warnings
-
 import pytest
 import torch
 
 import flashjvp
+from flashjvp._launch import LaunchLog
 from helpers import (
     DTYPE_IDS,
     DTYPES,
@@ -163,26 +162,24 @@ TMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize("ws", [False, True], ids=["tma", "tma-ws"])
 @pytest.mark.parametrize("causal", [False, "bottom_right"], ids=["full", "causal"])
 @pytest.mark.parametrize(("shape", "layout", "kind", "given"), TMA_CASES)
-def test_tma_path_matches_reference(shape, layout, kind, given, causal, ws, monkeypatch):
-    """FLASHJVP_TMA=1 (``ws`` for the warp-specialized tile): K, V, tK, tV are read through
-    host-made 4-D tensor descriptors, q and tq through ones built in the kernel (out-of-bounds
-    rows and head-dim columns zero-filled by the copy itself), the outputs stored through
-    pointers; with ``WS`` one masked loop covers all key blocks. Runs in the interpreter."""
-    seen = force_fwd_tile(monkeypatch, ws=ws, tma="ws" if ws else "1")
+def test_tma_path_matches_reference(shape, layout, kind, given, causal, monkeypatch):
+    """FLASHJVP_TMA=1: K, V, tK, tV are read through host-made 4-D tensor descriptors, q and tq
+    through ones built in the kernel (out-of-bounds rows and head-dim columns zero-filled by the
+    copy itself), the outputs stored through pointers. Runs in the interpreter."""
+    seen = force_fwd_tile(monkeypatch, tma="1")
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, torch.float32, (kind,))
     kw = {n: t for n, t in (("tq", tq), ("tk", tk), ("tv", tv)) if n in given}
     check_jvp(q, k, v, kw.get("tq"), kw.get("tk"), kw.get("tv"), torch.float32, causal=causal, layout=layout)
-    assert seen == [2 if ws else 1]
+    assert seen == [True]
 
 
 def test_tma_path_self_attention_on_one_tensor(monkeypatch):
     """q, k and v the same tensor (and the tangents another one): q is read through a descriptor
     built in the kernel (32-row query blocks here), k and v through host-made ones, one per slot
     (16-key blocks)."""
-    seen = force_fwd_tile(monkeypatch, ws=False, tma="1", tile=(32, 16, 4, 1))
+    seen = force_fwd_tile(monkeypatch, tma="1", tile=(32, 16, 4, 1))
     x, tx = make_qkv(2, 2, 2, 50, 50, 32, 32, "bhnd", torch.float32, ("contiguous",))[::3]
     check_jvp(x, x, x, tx, tx, tx, torch.float32)
     assert seen == [True]
@@ -194,9 +191,9 @@ def test_tma_path_sequence_major_storage(layout, kinds, monkeypatch):
     """Tensors stored (B, N, H, D) (contiguous bnhd, or swapped bhnd next to contiguous ones):
     the TMA path reads them through descriptors whose head stride is below the sequence stride,
     with the reference's results."""
-    from flashjvp._common import tma_usable
+    from flashjvp._policy import tma_usable
 
-    seen = force_fwd_tile(monkeypatch, ws=False, tma="1")
+    seen = force_fwd_tile(monkeypatch, tma="1")
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 21, 30, 32, 32, layout, torch.float32, kinds)
     check_jvp(q, k, v, tq, tk, tv, torch.float32, layout=layout)
     assert seen == [True]
@@ -207,7 +204,7 @@ def test_tma_path_sequence_major_storage(layout, kinds, monkeypatch):
 def test_tma_falls_back_when_descriptors_cannot_address(d, kind, monkeypatch):
     """A head dim of 37 (rows not 16-byte aligned) or a head dim with stride 2 cannot be
     described for TMA: the pointer path runs instead, with the same results."""
-    seen = force_fwd_tile(monkeypatch, ws=False, tma="1")
+    seen = force_fwd_tile(monkeypatch, tma="1")
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 21, 21, d, d, "bhnd", torch.float32, (kind,))
     o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
     assert seen == [False]
@@ -216,55 +213,88 @@ def test_tma_falls_back_when_descriptors_cannot_address(d, kind, monkeypatch):
     assert_close("to", to, truth[1], lowp[1], torch.float32)
 
 
-def test_tma_policy(monkeypatch):
-    """FLASHJVP_TMA: unset is ``auto``, which never picks TMA for CPU tensors (nor, on the GPU,
-    for head dims < 128, < 1024 keys, float32, tq alone or a plain forward: test_gpu.py); ``1``
-    (path 1) whenever descriptors can address every tensor; ``ws`` (path 2: warp-specialized
-    tiles too) likewise, warning the first time; ``0`` never; other values are refused."""
-    from flashjvp import _common
-    from flashjvp._common import TMA_DEFAULT, use_tma
+class _OnHopper:
+    """Stands in for a CUDA tensor on a Hopper GPU (``use_tma``'s ``auto`` rule reads only the
+    dtype size, the device, the strides and the address), backed by a CPU tensor."""
 
-    q = torch.zeros(1, 2, 64, 128, dtype=torch.bfloat16)
-    assert TMA_DEFAULT == "auto"
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+    def __init__(self, x):
+        self.x = x
+
+    def element_size(self):
+        return self.x.element_size()
+
+    def stride(self, *dim):
+        return self.x.stride(*dim)
+
+    def data_ptr(self):
+        return self.x.data_ptr()
+
+
+# (dtype, head dim, keys, tangents given, auto takes TMA)
+AUTO_CASES = [
+    pytest.param(torch.bfloat16, 128, 1024, "qkv", True, id="bf16-d128-jvp"),
+    pytest.param(torch.float16, 128, 4096, "kv", True, id="fp16-d128-kv"),
+    pytest.param(torch.bfloat16, 128, 1024, "q", False, id="tq-only"),
+    pytest.param(torch.bfloat16, 128, 1024, "", False, id="forward"),
+    pytest.param(torch.bfloat16, 128, 512, "qkv", False, id="512-keys"),
+    pytest.param(torch.bfloat16, 64, 1024, "qkv", False, id="d64"),
+    pytest.param(torch.bfloat16, 256, 1024, "qkv", False, id="d256"),
+    pytest.param(torch.float32, 128, 1024, "qkv", False, id="fp32"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "d", "n_k", "given", "auto"), AUTO_CASES)
+def test_tma_auto_policy(dtype, d, n_k, given, auto, monkeypatch):
+    """FLASHJVP_TMA unset behaves as ``auto``: TMA for 16-bit forward+JVP with a key or value
+    tangent at head dim 128 over >= 1024 keys on Hopper, pointers otherwise; ``1`` takes TMA
+    whenever the descriptors can address the tensors, ``0`` never."""
+    from flashjvp import _policy
+
+    monkeypatch.setattr(_policy, "_is_hopper", lambda index: True)
+    q = torch.zeros(1, 2, 64, d, dtype=dtype)
+    tensors = [_OnHopper(q), _OnHopper(q), None]
+    kw = dict(kv_tangents="k" in given or "v" in given, head_dims=(d, d), n_k=n_k)
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
-    assert use_tma([q], kv_tangents=True, head_dims=(128, 128), n_k=4096) == 0
+    unset = _policy.use_tma(tensors, **kw)
+    monkeypatch.setenv("FLASHJVP_TMA", "auto")
+    assert _policy.use_tma(tensors, **kw) is unset is auto
     monkeypatch.setenv("FLASHJVP_TMA", "1")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert use_tma([q, None], kv_tangents=False, head_dims=(16, 16), n_k=1) == 1
-    assert use_tma([q, q[..., ::2]], kv_tangents=True, head_dims=(128, 128), n_k=4096) == 0
-    monkeypatch.setenv("FLASHJVP_TMA", "ws")
-    monkeypatch.setattr(_common, "_tma_warned", False)
-    with pytest.warns(RuntimeWarning, match=r"FLASHJVP_TMA=ws: .* row blocks of the outputs unwritten"):
-        assert use_tma([q, None], kv_tangents=False, head_dims=(16, 16), n_k=1) == 2
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once per process
-        assert use_tma([q, None], kv_tangents=False, head_dims=(16, 16), n_k=1) == 2
-    assert use_tma([q, q[..., ::2]], kv_tangents=True, head_dims=(128, 128), n_k=4096) == 0
+    assert _policy.use_tma(tensors, **kw) is True
+    assert _policy.use_tma([_OnHopper(q), _OnHopper(q[..., ::2])], **kw) is False  # head-dim stride 2
     monkeypatch.setenv("FLASHJVP_TMA", "0")
-    assert use_tma([q], kv_tangents=True, head_dims=(128, 128), n_k=4096) == 0
-    monkeypatch.setenv("FLASHJVP_TMA", "yes")
-    with pytest.raises(ValueError, match="FLASHJVP_TMA must be one of .*got 'yes'"):
-        use_tma([q], kv_tangents=True, head_dims=(128, 128), n_k=4096)
+    assert _policy.use_tma(tensors, **kw) is False
+    monkeypatch.delenv("FLASHJVP_TMA")
+    assert _policy.use_tma([q, q, None], **kw) is False  # CPU tensors: never under auto
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_ws_tiles_kept_for_16_bit_tma_only(dtype, monkeypatch):
-    """The prune keeps warp-specialized tiles only under FLASHJVP_TMA=ws (the kernel's TMA flag
-    2) with 16-bit inputs (float32 WS tiles compile without wgmma, with heavy spills)."""
-    import triton
+@pytest.mark.parametrize(("env", "tma"), [(None, False), ("auto", False), ("0", False), ("1", True)],
+                         ids=["unset", "auto", "0", "1"])
+def test_tma_mode_of_a_launch(env, tma, monkeypatch):
+    """The TMA flag the forward kernel is launched with (LaunchLog), per FLASHJVP_TMA: unset and
+    ``auto`` keep CPU tensors (the interpreter) on the pointer path, ``1`` takes the descriptors."""
+    if env is None:
+        monkeypatch.delenv("FLASHJVP_TMA", raising=False)
+    else:
+        monkeypatch.setenv("FLASHJVP_TMA", env)
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 9, 9, 16, 16, "bhnd", torch.float32, ("contiguous",))
+    with LaunchLog() as log:
+        check_jvp(q, k, v, tq, tk, tv, torch.float32)
+    assert log.count("_attn_fwd_kernel") == 1
+    assert log.count("_attn_fwd_kernel", TMA=tma) == 1, log.launches
 
-    from flashjvp._fwd import _prune_fwd_configs
 
-    monkeypatch.setenv("FLASHJVP_AUTOTUNE", "1")
-    ws = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "WS": True}, num_warps=4, num_stages=2)
-    plain = triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "WS": False}, num_warps=4, num_stages=2)
-    args = dict(BLOCK_DQK=32, BLOCK_DV=32, HAS_TQ=True, HAS_TK=True, HAS_TV=True)  # fits either way
-    q = {"Q": torch.zeros(1, dtype=dtype)}
-    kept = _prune_fwd_configs([ws, plain], q, **args, TMA=2)
-    assert kept == ([ws, plain] if dtype == torch.bfloat16 else [plain])
-    assert _prune_fwd_configs([ws, plain], q, **args, TMA=1) == [plain]
-    assert _prune_fwd_configs([ws, plain], q, **args, TMA=0) == [plain]
+@pytest.mark.parametrize("env", ["ws", "2", "yes"])
+def test_unknown_tma_mode_is_refused(env, monkeypatch):
+    """Values of FLASHJVP_TMA other than auto, 0 and 1 (the removed warp-specialized ``ws`` mode
+    among them) raise a ValueError naming the variable, before any launch."""
+    monkeypatch.setenv("FLASHJVP_TMA", env)
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 9, 9, 16, 16, "bhnd", torch.float32, ("contiguous",))
+    with LaunchLog() as log, pytest.raises(ValueError, match=f"FLASHJVP_TMA.*{env!r}"):
+        flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    assert log.launches == []
 
 
 @pytest.mark.parametrize(("dtype", "d", "tma", "tangents", "expected"), [
@@ -280,32 +310,49 @@ def test_d64_jvp_tiles(dtype, d, tma, tangents, expected, monkeypatch):
     alone admits 128x128 tiles with tangents; every other case keeps BLOCK_N <= 64 with tangents."""
     import triton
 
-    from flashjvp._fwd import _FWD_JVP_D64_TILES, _FWD_TILES, _prune_fwd_configs
+    from flashjvp._policy import FWD_JVP_D64_TILES, FWD_TILES, prune_fwd_configs, tile_of
 
     monkeypatch.setenv("FLASHJVP_AUTOTUNE", "1")
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=w, num_stages=st)
-               for bm, bn, w, st in _FWD_TILES]  # the GPU list (the interpreter's has one tile)
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+               for bm, bn, w, st in FWD_TILES]  # the GPU list (the interpreter's has one tile)
     args = dict(BLOCK_DQK=d, BLOCK_DV=d, HAS_TQ=tangents, HAS_TK=tangents, HAS_TV=tangents, TMA=tma)
-    kept = _prune_fwd_configs(configs, {"Q": torch.zeros(1, dtype=dtype)}, **args)
-    tiles = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept
-             if not c.kwargs["WS"]]
+    kept = prune_fwd_configs(configs, {"Q": torch.zeros(1, dtype=dtype)}, **args)
+    tiles = [tile_of(c) for c in kept]
     if expected == "d64-list":
-        assert tiles == _FWD_JVP_D64_TILES, f"kept {tiles}"
+        assert tiles == FWD_JVP_D64_TILES, f"kept {tiles}"
     else:
-        assert tiles and tiles != _FWD_JVP_D64_TILES, f"kept {tiles}"
+        assert tiles and tiles != FWD_JVP_D64_TILES, f"kept {tiles}"
         if tangents:
             assert all(bn <= 64 for _, bn, _, _ in tiles), f"kept {tiles}"
 
 
-def test_last_config_records_the_launched_tile():
-    """launch_tuned records each kernel's tile (the benchmark writes it into its rows)."""
-    from flashjvp import _common
+def test_launch_log_records_the_launched_tile(monkeypatch):
+    """LaunchLog records each launch with the config launch_tuned ran (what the benchmark writes
+    into its rows) and the launch's flags; a second call with the same autotune key launches the
+    config picked the first time without asking the Autotuner again."""
+    from flashjvp import _fwd
+    from flashjvp._policy import FWD_TILES, INTERPRETER_TILE, interpreting
 
+    seen = spy_autotuner(monkeypatch, "N_Q_BUCKET")
+    returned = []
+    real = _fwd.launch_tuned
+    monkeypatch.setattr(_fwd, "launch_tuned", lambda *a, **kw: returned.append(real(*a, **kw)) or returned[-1])
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 9, 9, 16, 16, "bhnd", torch.float32, ("contiguous",))
-    _common.last_config.clear()
-    flashjvp.attention_jvp(q, k, v, tq, tk, tv)
-    cfg = _common.last_config["_attn_fwd_kernel"]
+    with LaunchLog() as log:
+        flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+        flashjvp.attention_jvp(q, k, v, None, tk, None)  # another key: HAS_TQ, HAS_TV differ
+        flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    assert seen == [64, 64], "the third call asked the Autotuner again"
+    assert [r.kernel for r in log.launches] == ["_attn_fwd_kernel"] * 3
+    first, other, again = log.launches
+    assert [r.config for r in log.launches] == returned
+    cfg = first.config
     assert {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"} <= set(cfg), cfg
-    _common.last_config.clear()
-    flashjvp.attention_jvp(q, k, v, tq, tk, tv)  # second call: the cached config, recorded again
-    assert _common.last_config["_attn_fwd_kernel"] == cfg
+    assert "WS" not in cfg
+    tile = (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"])
+    assert (tile == INTERPRETER_TILE) if interpreting() else (tile in FWD_TILES), tile
+    assert again.config == cfg
+    assert (first.flags["HAS_TQ"], first.flags["HAS_TK"], first.flags["HAS_TV"]) == (True, True, True)
+    assert (other.flags["HAS_TQ"], other.flags["HAS_TK"], other.flags["HAS_TV"]) == (False, True, False)
+    assert again.flags == first.flags
+    assert first.flags["TMA"] is False and first.flags["SPLIT"] is False

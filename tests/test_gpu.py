@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import flashjvp
-from flashjvp._common import last_config
-from flashjvp._fwd import _FWD_JVP_D64_TILES, _FWD_WS_TILES
-from flashjvp._fwd import launches as fwd_launches
-from helpers import DTYPE_IDS, assert_close, check_jvp, force_fwd_tile, grad_refs, jvp_refs, make_qkv, spy_autotuner
+from flashjvp import _policy
+from flashjvp._launch import LaunchLog
+from flashjvp._policy import FWD_JVP_D64_TILES
+from helpers import DTYPE_IDS, assert_close, check_jvp, force_fwd_tile, grad_refs, jvp_refs, make_qkv
 
 pytestmark = pytest.mark.gpu
 DT = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16, torch.float32)]
@@ -83,9 +83,9 @@ def _tma_case(case, given, layout, dtype, kind=None):
     kind = kind or ("contiguous" if layout == "bhnd" else "swapped")  # default: (B, H, N, D) storage
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, dtype, kinds=(kind,))
     tk, tv = (tk, tv) if given == "qkv" else (None, None)
-    before = fwd_launches["tma"]
-    check_jvp(q, k, v, tq, tk, tv, dtype, causal=causal, layout=layout)
-    assert fwd_launches["tma"] == before + 1, "the TMA path did not run"
+    with LaunchLog() as log:
+        check_jvp(q, k, v, tq, tk, tv, dtype, causal=causal, layout=layout)
+    assert log.count("_attn_fwd_kernel", TMA=True) == 1, f"the TMA path did not run: {log.launches}"
 
 
 @pytest.mark.parametrize("dtype", DT)
@@ -104,12 +104,13 @@ def test_tma_path_sequence_major_full_size(case, given, dtype, monkeypatch):
     _tma_case(case, given, "bnhd", dtype, kind="contiguous")
 
 
-@pytest.mark.parametrize("dtype", DT[:2])  # the prune keeps WS tiles to 16-bit inputs
-@pytest.mark.parametrize("tile", [pytest.param(t, id="ws-{}x{}-w{}-s{}".format(*t)) for t in _FWD_WS_TILES]
-                         + [pytest.param(None, id="tma-no-ws")])
+@pytest.mark.parametrize("dtype", DT[:2])
+@pytest.mark.parametrize("tile", [pytest.param(t, id="{}x{}-w{}-s{}".format(*t))
+                                  for t in [(128, 32, 8, 3), (128, 64, 8, 2)]])
 def test_tma_tiles_full_size(tile, dtype, monkeypatch):
-    """Every warp-specialized tile of the autotune list (and the TMA path without WS)."""
-    force_fwd_tile(monkeypatch, ws=tile is not None, tma="1" if tile is None else "ws", tile=tile or (128, 32, 8, 3))
+    """Forced tiles on the TMA path (the autotuner otherwise picks one per shape): 32- and 64-key
+    boxes of the host-made descriptors, a key count that is no multiple of either."""
+    force_fwd_tile(monkeypatch, tma="1", tile=tile)
     _tma_case((1, 8, 2, 777, 1333, 128, 128, "bottom_right"), "qkv", "bnhd", dtype)
 
 
@@ -119,49 +120,64 @@ def test_tma_tiles_full_size(tile, dtype, monkeypatch):
     pytest.param((2, 4, 4, 1000, 1000, "top_left"), id="sa1000-causal"),
     pytest.param((1, 4, 4, 515, 999, False), id="ca515x999"),
 ])
-@pytest.mark.parametrize(("tile", "d"), [pytest.param(t, 64, id="{}x{}-w{}-s{}".format(*t)) for t in _FWD_JVP_D64_TILES]
+@pytest.mark.parametrize(("tile", "d"), [pytest.param(t, 64, id="{}x{}-w{}-s{}".format(*t)) for t in FWD_JVP_D64_TILES]
                          + [pytest.param((128, 64, 8, 2), 128, id="d128-128x64-w8-s2")])
 def test_pointer_tiles_full_size(tile, d, case, dtype, monkeypatch):
     """Every tile of the head-dim-64 forward+JVP list (the tests otherwise run its first), and
-    the pointer path's 128x64 8-warp 2-stage tile at head dim 128 (7b's pick)."""
-    force_fwd_tile(monkeypatch, ws=False, tma="0", tile=tile)
+    the pointer path's 128x64 8-warp 2-stage tile at head dim 128 (its fastest for long queries
+    over few keys)."""
+    force_fwd_tile(monkeypatch, tma="0", tile=tile)
     *shape, causal = case
     check_jvp(*make_qkv(*shape, d, d, "bnhd", dtype), dtype, causal=causal, layout="bnhd")
 
 
+@pytest.mark.parametrize("env", [None, "auto"], ids=["unset", "auto"])
 @pytest.mark.parametrize(("d", "n_k", "tangents", "dtype", "expected"),
-                         [(128, 1024, "qkv", torch.bfloat16, 1), (64, 1024, "qkv", torch.bfloat16, 0),
-                          (256, 1024, "qkv", torch.bfloat16, 0),
-                          (128, 1024, "", torch.bfloat16, 0), (128, 512, "qkv", torch.bfloat16, 0),
-                          (128, 1024, "qkv", torch.float32, 0), (128, 1024, "q", torch.bfloat16, 0)],
+                         [(128, 1024, "qkv", torch.bfloat16, True), (64, 1024, "qkv", torch.bfloat16, False),
+                          (256, 1024, "qkv", torch.bfloat16, False),
+                          (128, 1024, "", torch.bfloat16, False), (128, 512, "qkv", torch.bfloat16, False),
+                          (128, 1024, "qkv", torch.float32, False), (128, 1024, "q", torch.bfloat16, False)],
                          ids=["d128-jvp", "d64-jvp", "d256-jvp", "d128-fwd", "d128-jvp-512-keys", "d128-jvp-fp32",
                               "d128-tq-only"])
-def test_tma_auto_policy(d, n_k, tangents, dtype, expected, monkeypatch):
-    """FLASHJVP_TMA=auto takes the TMA path only where it measured faster."""
-    monkeypatch.setenv("FLASHJVP_TMA", "auto")
-    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, n_k, d, d, "bhnd", dtype, kinds=("contiguous",))
-    before = fwd_launches["tma"]
-    if tangents:
-        flashjvp.attention_jvp(q, k, v, tq, *((tk, tv) if tangents == "qkv" else (None, None)))
+def test_tma_auto_policy(d, n_k, tangents, dtype, expected, env, monkeypatch):
+    """FLASHJVP_TMA unset or ``auto`` takes the TMA path only where it measured faster: 16-bit
+    forward+JVP with key/value tangents at head dim 128 over >= 1024 keys."""
+    if env is None:
+        monkeypatch.delenv("FLASHJVP_TMA", raising=False)
     else:
-        flashjvp.attention(q, k, v)
-    assert fwd_launches["tma"] - before == expected
+        monkeypatch.setenv("FLASHJVP_TMA", env)
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, n_k, d, d, "bhnd", dtype, kinds=("contiguous",))
+    with LaunchLog() as log:
+        if tangents:
+            flashjvp.attention_jvp(q, k, v, tq, *((tk, tv) if tangents == "qkv" else (None, None)))
+        else:
+            flashjvp.attention(q, k, v)
+    assert log.count("_attn_fwd_kernel") == 1
+    assert log.count("_attn_fwd_kernel", TMA=expected) == 1, log.launches
 
 
-def test_tma_default_is_auto(monkeypatch):
-    """Unset, FLASHJVP_TMA is ``auto``: the shape auto picks runs on the TMA path, without the
-    warp-specialized tiles; ``0`` turns it off."""
-    x = make_qkv(1, 2, 2, 256, 1024, 128, 128, "bhnd", torch.bfloat16, kinds=("contiguous",))
+def test_tma_modes_of_real_launches(monkeypatch):
+    """Unset, FLASHJVP_TMA routes like ``auto``: the shape auto takes runs on the TMA path, with
+    tq alone the same shape runs on pointers; ``0`` turns TMA off, ``1`` forces it for tq alone;
+    the removed warp-specialized mode ``ws`` is refused with a ValueError naming the variable."""
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 256, 1024, 128, 128, "bhnd", torch.bfloat16, kinds=("contiguous",))
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
-    seen = spy_autotuner(monkeypatch, "TMA")
-    before = fwd_launches["tma"]
-    flashjvp.attention_jvp(*x)
-    assert fwd_launches["tma"] == before + 1
-    assert seen == [1]
-    assert not last_config["_attn_fwd_kernel"]["WS"]
+    with LaunchLog() as log:
+        flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+        flashjvp.attention_jvp(q, k, v, tq)
+    assert [r.flags["TMA"] for r in log.launches] == [True, False]
     monkeypatch.setenv("FLASHJVP_TMA", "0")
-    flashjvp.attention_jvp(*x)
-    assert fwd_launches["tma"] == before + 1
+    with LaunchLog() as log:
+        flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    assert [r.flags["TMA"] for r in log.launches] == [False]
+    monkeypatch.setenv("FLASHJVP_TMA", "1")
+    with LaunchLog() as log:
+        check_jvp(q, k, v, tq, None, None, torch.bfloat16)
+    assert [r.flags["TMA"] for r in log.launches] == [True]
+    monkeypatch.setenv("FLASHJVP_TMA", "ws")
+    with LaunchLog() as log, pytest.raises(ValueError, match="FLASHJVP_TMA"):
+        flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    assert log.launches == []
 
 
 @pytest.mark.parametrize("d", [64, 128], ids=["d64", "d128"])
@@ -170,8 +186,8 @@ def test_repeated_calls_fresh_buffers(d):
     (all kept alive, so no address repeats) writing fresh outputs, each checked against float64:
     a kernel that reads or writes through a descriptor or pointer left from an earlier call, or
     leaves rows unwritten, fails here. With FLASHJVP_TMA=1 in the environment it exercises the
-    TMA path (it passed so on the H200, 128x64 WS tile: that tile's rare unwritten rows were not
-    reproduced; runs/ws-stale-2026-12-03p.txt)."""
+    TMA path (descriptors made on the host per call must never point at an earlier call's
+    tensors)."""
     sets = [make_qkv(1, 8, 4, 777, 1333, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",)) for _ in range(2)]
     kept = []
     for i in range(8):
@@ -183,29 +199,29 @@ def test_repeated_calls_fresh_buffers(d):
 def test_default_path_soak(d, monkeypatch):
     """3000 forward+JVP calls on the default path (B2 H24 N4096, bf16, all tangents), outputs
     NaN-filled before every call (FLASHJVP_POISON=1), every result compared bit for bit with the
-    first call's on the same inputs (the kernels are deterministic). The warp-specialized tile,
-    the default before a4c0031, left a whole row block unwritten in about 1 of 3000 such calls
-    (runs/ws-soak-2026-12-03w.txt, -x.txt), which the rest of this file never caught; this test
-    catches that rate with probability ~63%. Counts stay on the GPU: one sync at the end."""
+    first call's on the same inputs (the kernels are deterministic). A kernel that leaves a whole
+    row block unwritten in about 1 of 3000 calls passes every single-call test of this file; this
+    test catches that rate with probability ~63%. Counts stay on the GPU: one sync at the end."""
     monkeypatch.delenv("FLASHJVP_TMA", raising=False)
     x = make_qkv(2, 24, 24, 4096, 4096, d, d, "bhnd", torch.bfloat16, kinds=("contiguous",))
     first = [t.clone() for t in flashjvp.attention_jvp(*x, return_lse=True)]
     assert all(not torch.isnan(t).any() for t in first)
-    before = fwd_launches["tma"]
     bad = torch.zeros((), dtype=torch.int64, device="cuda")
     calls = 3000
-    for _ in range(calls):
-        out = flashjvp.attention_jvp(*x, return_lse=True)
-        for t, r in zip(out, first):
-            bad += (t != r).sum()  # NaN != NaN: unwritten elements count too
-    assert fwd_launches["tma"] - before == (calls if d == 128 else 0)
+    with LaunchLog() as log:
+        for _ in range(calls):
+            out = flashjvp.attention_jvp(*x, return_lse=True)
+            for t, r in zip(out, first):
+                bad += (t != r).sum()  # NaN != NaN: unwritten elements count too
+    assert log.count("_attn_fwd_kernel") == calls
+    assert log.count("_attn_fwd_kernel", TMA=True) == (calls if d == 128 else 0)
     assert bad.item() == 0, f"{bad.item()} output elements differed from the first call in {calls} calls"
 
 
 # The pointer path (bnhd, D64) and the TMA path `auto` picks (contiguous bhnd, D128, 1024 keys),
 # whose device-built q descriptors take scratch memory from the allocator on the current stream.
-PATHS = [pytest.param((2, 4, 2, 333, 444, 64, "bnhd", None), 0, id="pointer"),
-         pytest.param((1, 4, 2, 777, 1024, 128, "bhnd", ("contiguous",)), 1, id="tma")]
+PATHS = [pytest.param((2, 4, 2, 333, 444, 64, "bnhd", None), False, id="pointer"),
+         pytest.param((1, 4, 2, 777, 1024, 128, "bhnd", ("contiguous",)), True, id="tma")]
 
 
 @pytest.mark.parametrize(("case", "tma"), PATHS)
@@ -215,11 +231,10 @@ def test_side_stream_and_device_context(case, tma, monkeypatch):
     q, k, v, tq, tk, tv = make_qkv(b, hq, hkv, nq, nk, d, d, layout, torch.bfloat16, kinds=kinds)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    before = fwd_launches["tma"]
-    with torch.cuda.stream(stream):
+    with LaunchLog() as log, torch.cuda.stream(stream):
         o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, layout=layout)
     torch.cuda.current_stream().wait_stream(stream)
-    assert fwd_launches["tma"] - before == tma
+    assert log.count("_attn_fwd_kernel", TMA=tma) == 1, log.launches
     truth, lowp = jvp_refs(q, k, v, tq, tk, tv, layout=layout)
     assert_close("o", o, truth[0], lowp[0], torch.bfloat16)
     assert_close("to", to, truth[1], lowp[1], torch.bfloat16)
@@ -238,10 +253,9 @@ def test_cuda_graph_replay(case, tma, monkeypatch):
         flashjvp.attention_jvp(*static, layout=layout)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    before = fwd_launches["tma"]
-    with torch.cuda.graph(graph):
+    with LaunchLog() as log, torch.cuda.graph(graph):
         o, to = flashjvp.attention_jvp(*static, layout=layout)
-    assert fwd_launches["tma"] - before == tma
+    assert log.count("_attn_fwd_kernel", TMA=tma) == 1, log.launches
     for _ in range(2):
         fresh = make_qkv(b, hq, hkv, nq, nk, d, d, layout, torch.bfloat16, kinds=kinds)
         for dst, src in zip(static, fresh):
@@ -283,34 +297,32 @@ def test_tail_split_full_size(d, tangents, dtype, monkeypatch):
     """Tail splitting (_split.py) as on a GPU with 20 SMs: B1 H3 Nq1000 gives 24 (or 48) row
     blocks of 128 (64) rows, whose last 4 (8) run as key shards over 2100 keys and are merged;
     outputs NaN-filled, against float64. D128 with key tangents takes the TMA path."""
-    from flashjvp import _split
-
-    monkeypatch.setattr(_split, "slots_override", 20)
-    monkeypatch.setattr(_split, "SPLIT_MIN_BUCKET", 0)  # 2100 keys
+    monkeypatch.setattr(_policy, "sm_count", lambda device: 20)
+    monkeypatch.setattr(_policy, "SPLIT_MIN_BUCKET", 0)  # 2100 keys
     q, k, v, tq, tk, tv = make_qkv(1, 3, 3, 1000, 2100, d, d, "bhnd", dtype,
                                    kinds=("contiguous", "swapped", "sliced"))
     tq, tk, tv = (t if name in tangents else None for name, t in zip("qkv", (tq, tk, tv)))
-    before = fwd_launches["split"]
-    if tangents:
-        check_jvp(q, k, v, tq, tk, tv, dtype)
-    else:
-        o = flashjvp.attention(q, k, v)
+    with LaunchLog() as log:
+        if tangents:
+            check_jvp(q, k, v, tq, tk, tv, dtype)
+        else:
+            o = flashjvp.attention(q, k, v)
+    if not tangents:
         ref = flashjvp.attention_ref(q.double(), k.double(), v.double())
         assert_close("o", o, ref, flashjvp.attention_ref(q, k, v), dtype)
-    assert fwd_launches["split"] == before + 1, "the launch did not split its tail"
+    assert log.count("_attn_fwd_kernel", SPLIT=True) == 1, log.launches
+    assert log.count("_attn_merge_kernel") == 1, "the launch did not split its tail"
 
 
 def test_tail_split_allocates_only_scratch(monkeypatch):
     """B1 H12 N32768 D128 forward+JVP (3072 row blocks, 36 in the last wave on 132 SMs: split in
     3 shards): beyond the outputs, the per-row statistics and the shards' float32 scratch
     (at most one 128-row block per SM), nothing."""
-    from flashjvp import _split
-
-    monkeypatch.setattr(_split, "slots_override", 132)
+    monkeypatch.setattr(_policy, "sm_count", lambda device: 132)
     x = make_qkv(1, 12, 12, 32768, 32768, 128, 128, "bhnd", torch.bfloat16, kinds=("contiguous",))
-    before = fwd_launches["split"]
-    (o, to), extra = _peak_extra(lambda: flashjvp.attention_jvp(*x))
-    assert fwd_launches["split"] == before + 2  # both calls split
+    with LaunchLog() as log:
+        (o, to), extra = _peak_extra(lambda: flashjvp.attention_jvp(*x))
+    assert log.count("_attn_merge_kernel") == 2  # both calls split
     rows = 12 * 32768
     scratch = 132 * 128 * (2 * 128 + 2) * 4
     expected = 2 * o.numel() * o.element_size() + rows * 4 + scratch

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from flashjvp import patch_sdpa
-from flashjvp._common import interpreting
+from flashjvp._policy import interpreting
 from flashjvp.sdpa import SDPAFallbackWarning, _math_sdpa
 from helpers import Launches
 

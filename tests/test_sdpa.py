@@ -1,9 +1,9 @@
 """flashjvp.sdpa / flashjvp.patch_sdpa: a drop-in for torch.nn.functional.scaled_dot_product_attention.
 
 Runs on the GPU when there is one, else on the CPU through Triton's interpreter
-(TRITON_INTERPRET=1); shapes stay tiny either way. Every test of the kernel path checks the launch
-counters, so it fails if flashjvp's kernels are not used. Fallbacks (masks, dropout) are compared
-with PyTorch's math backend, the one whose random numbers they reproduce.
+(TRITON_INTERPRET=1); shapes stay tiny either way. Every test of the kernel path counts the
+kernel launches (LaunchLog), so it fails if flashjvp's kernels are not used. Fallbacks (masks,
+dropout) are compared with PyTorch's math backend, the one whose random numbers they reproduce.
 """
 
 import copy
@@ -20,7 +20,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa_alias
 
 import flashjvp
 from flashjvp import patch_sdpa, sdpa
-from flashjvp._common import interpreting
+from flashjvp._policy import interpreting
 from flashjvp.sdpa import SDPAFallbackWarning, _math_sdpa
 from helpers import DEVICE, Launches, assert_close
 

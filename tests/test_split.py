@@ -1,13 +1,15 @@
 """Tail splitting (_split.py): the last wave's row blocks run as key shards, then are merged.
 
-On the CPU the interpreter's 16-row tiles and a pretend SM count (``slots_override``) make small
-shapes split; each test checks that a split really ran (the ``split`` launch counter)."""
+On the CPU the interpreter's 16-row tiles and a pretend SM count (``_policy.sm_count`` patched)
+make small shapes split; each test checks that a split really ran (LaunchLog: the merge kernel
+launched)."""
 
 import pytest
 import torch
 
 import flashjvp
-from flashjvp import _fwd, _split
+from flashjvp import _fwd, _policy
+from flashjvp._launch import LaunchLog
 from helpers import DEVICE, assert_close, check_jvp, force_fwd_tile, jvp_refs, make_qkv
 
 ON_GPU = DEVICE == "cuda"
@@ -26,11 +28,11 @@ ON_GPU = DEVICE == "cuda"
     ],
 )
 def test_split_plan(n_blocks, slots, n_k, plan):
-    assert _split.split_plan(n_blocks, slots, n_k) == plan
+    assert _policy.split_plan(n_blocks, slots, n_k) == plan
     n_full, shards = plan
-    assert _split.split_grid(n_blocks, slots, n_k, block_m=128, capacity=slots * 128) == (
+    assert _policy.split_grid(n_blocks, slots, n_k, block_m=128, capacity=slots * 128) == (
         n_full + (n_blocks - n_full) * shards)
-    assert _split.split_grid(n_blocks, slots, n_k, block_m=128, capacity=0) == n_blocks  # no scratch
+    assert _policy.split_grid(n_blocks, slots, n_k, block_m=128, capacity=0) == n_blocks  # no scratch
 
 
 @pytest.fixture
@@ -38,10 +40,10 @@ def split_on(monkeypatch):
     """Split as a GPU with ``slots`` SMs would; shards of at least 16 keys on the CPU."""
 
     def set_slots(slots):
-        monkeypatch.setattr(_split, "slots_override", slots)
-        monkeypatch.setattr(_split, "SPLIT_MIN_BUCKET", 0)
+        monkeypatch.setattr(_policy, "sm_count", lambda device: slots)
+        monkeypatch.setattr(_policy, "SPLIT_MIN_BUCKET", 0)
         if not ON_GPU:
-            monkeypatch.setattr(_split, "SPLIT_MIN_KEYS", 16)
+            monkeypatch.setattr(_policy, "SPLIT_MIN_KEYS", 16)
 
     return set_slots
 
@@ -65,14 +67,16 @@ def test_split_matches_reference(shape, slots, tangents, split_on):
     layout = "bnhd" if shape[3] % 2 else "bhnd"
     q, k, v, tq, tk, tv = make_qkv(*shape, layout, torch.float32, kinds=("swapped", "sliced", "contiguous", "strided"))
     tq, tk, tv = (t if name in tangents else None for name, t in zip("qkv", (tq, tk, tv)))
-    before = _fwd.launches["split"]
-    if tangents:
-        check_jvp(q, k, v, tq, tk, tv, torch.float32, layout=layout)
-    else:
-        o = flashjvp.attention(q, k, v, layout=layout)
+    with LaunchLog() as log:
+        if tangents:
+            check_jvp(q, k, v, tq, tk, tv, torch.float32, layout=layout)
+        else:
+            o = flashjvp.attention(q, k, v, layout=layout)
+    if not tangents:
         truth = flashjvp.attention_ref(q.double(), k.double(), v.double(), layout=layout)
         assert_close("o", o, truth, flashjvp.attention_ref(q, k, v, layout=layout), torch.float32)
-    assert _fwd.launches["split"] == before + 1, "the launch did not split its tail"
+    assert log.count("_attn_fwd_kernel", SPLIT=True) == 1
+    assert log.count("_attn_merge_kernel") == 1, "the launch did not split its tail"
 
 
 @pytest.mark.skipif(ON_GPU, reason="16-row tiles: interpreter only")
@@ -80,12 +84,13 @@ def test_split_under_torch_func_jvp(split_on):
     """The autograd path (o and lse allocated by forward, filled by jvp) merges into them too."""
     split_on(5)
     q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 37, 999, 40, 40, "bhnd", torch.float32)
-    before = _fwd.launches["split"]
-    o, to = torch.func.jvp(flashjvp.attention, (q, k, v), (tq, tk, tv))
+    with LaunchLog() as log:
+        o, to = torch.func.jvp(flashjvp.attention, (q, k, v), (tq, tk, tv))
     truth, lowp = jvp_refs(q, k, v, tq, tk, tv)
     assert_close("o", o, truth[0], lowp[0], torch.float32)
     assert_close("to", to, truth[1], lowp[1], torch.float32)
-    assert _fwd.launches["split"] == before + 1
+    assert log.count("_attn_fwd_kernel") == 1
+    assert log.count("_attn_merge_kernel") == 1
 
 
 @pytest.mark.skipif(ON_GPU, reason="16-row tiles: interpreter only")
@@ -95,26 +100,34 @@ def test_no_split(causal, env, split_on, monkeypatch):
     split_on(5)
     monkeypatch.setenv("FLASHJVP_TAIL_SPLIT", env)
     q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 37, 999, 40, 40, "bhnd", torch.float32)
-    before = _fwd.launches["split"]
-    check_jvp(q, k, v, tq, tk, tv, torch.float32, causal=causal)
-    assert _fwd.launches["split"] == before
+    with LaunchLog() as log:
+        check_jvp(q, k, v, tq, tk, tv, torch.float32, causal=causal)
+    assert log.count("_attn_fwd_kernel", SPLIT=False) == 1
+    assert log.count("_attn_merge_kernel") == 0
 
 
 @pytest.mark.parametrize(
-    ("causal", "bucket", "ws", "env", "slots"),
+    ("causal", "bucket", "env", "slots"),
     [
-        pytest.param(False, 16384, False, "1", 132, id="long-keys"),
-        pytest.param(False, 4096, False, "1", 0, id="4096-keys"),  # measured no faster (NOTES)
-        pytest.param(True, 16384, False, "1", 0, id="causal"),
-        pytest.param(False, 16384, True, "1", 0, id="warp-specialized"),
-        pytest.param(False, 16384, False, "0", 0, id="switched-off"),
+        pytest.param(False, 16384, "1", 132, id="long-keys"),
+        # below SPLIT_MIN_BUCKET each program is short: the last wave is ragged, not idle
+        pytest.param(False, 4096, "1", 0, id="4096-keys"),
+        pytest.param(True, 16384, "1", 0, id="causal"),
+        pytest.param(False, 16384, "0", 0, id="switched-off"),
     ],
 )
-def test_split_slots_policy(causal, bucket, ws, env, slots, monkeypatch):
-    monkeypatch.setattr(_split, "slots_override", 132)
+def test_split_slots_policy(causal, bucket, env, slots, monkeypatch):
+    monkeypatch.setattr(_policy, "sm_count", lambda device: 132)
     monkeypatch.setenv("FLASHJVP_TAIL_SPLIT", env)
     q = torch.empty(1, 1, 1, 16)
-    assert _split.split_slots(q, causal=causal, n_k_bucket=bucket, ws=ws) == slots
+    assert _policy.split_slots(q, causal=causal, n_k_bucket=bucket) == slots
+
+
+def test_no_split_off_the_gpu(monkeypatch):
+    """Unpatched, a CPU tensor has no SMs to fill: the split policy gives 0 slots."""
+    monkeypatch.delenv("FLASHJVP_TAIL_SPLIT", raising=False)
+    assert _policy.sm_count(torch.device("cpu")) == 0
+    assert _policy.split_slots(torch.empty(1, 1, 1, 16), causal=False, n_k_bucket=16384) == 0
 
 
 @pytest.mark.skipif(ON_GPU, reason="16-row tiles: interpreter only")
@@ -124,9 +137,10 @@ def test_forced_tile_splits_only_into_room(known, splits, split_on, monkeypatch)
     in 3 shards on 3 SMs); sized for 16-row tiles only (48 rows, it needs 96), the launch runs
     whole instead of writing past the scratch."""
     split_on(3)
-    monkeypatch.setattr(_fwd, "_BLOCK_MS", known)
-    force_fwd_tile(monkeypatch, ws=False, tma="0", tile=(32, 16, 4, 1))
+    monkeypatch.setattr(_fwd, "BLOCK_MS", known)
+    force_fwd_tile(monkeypatch, tma="0", tile=(32, 16, 4, 1))
     q, k, v, tq, tk, tv = make_qkv(1, 1, 1, 97, 200, 16, 16, "bhnd", torch.float32)
-    before = _fwd.launches["split"]
-    check_jvp(q, k, v, tq, tk, tv, torch.float32)
-    assert _fwd.launches["split"] == before + splits
+    with LaunchLog() as log:
+        check_jvp(q, k, v, tq, tk, tv, torch.float32)
+    assert [r.config["BLOCK_M"] for r in log.launches if r.kernel == "_attn_fwd_kernel"] == [32]
+    assert log.count("_attn_merge_kernel") == splits
