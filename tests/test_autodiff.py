@@ -137,12 +137,18 @@ def test_meanflow_pattern_one_pass_jvp_and_backward():
     _assert_grads_match(fast, ref)
 
 
-def test_meanflow_pattern_without_detach_raises():
-    fast, _ = _twin_models()
+def test_meanflow_pattern_without_detach_is_second_order():
+    """The loss differentiated through the tangent too (no detach): flashjvp's second-order
+    backward gives the math model's parameter gradients."""
+    fast, ref = _twin_models()
     x, tx = torch.randn(1, 5, 32, device=DEVICE), torch.randn(1, 5, 32, device=DEVICE)
-    out, tout = torch.func.jvp(fast, (x,), (tx,))
-    with pytest.raises(NotImplementedError, match="second order"):
-        ((out - tout) ** 2).mean().backward()
+    for model in (fast, ref):
+        with Launches() as n:
+            out, tout = torch.func.jvp(model, (x,), (tx,))
+            ((out - tout) ** 2).mean().backward()
+        if model is fast:
+            assert n.fwd == 1 and n.count("_attn_bwd_jvp_dq_kernel") == 1
+    _assert_grads_match(fast, ref)
 
 
 def test_forward_ad_duals_then_backward_on_primal():

@@ -11,6 +11,7 @@ from helpers import (
     DTYPE_IDS,
     DTYPES,
     MEMORY_KINDS,
+    Launches,
     assert_close,
     grad_refs,
     jvp_refs,
@@ -98,15 +99,27 @@ def test_saves_for_backward_only_when_needed():
     assert _saved_count(lambda: flashjvp.attention(q, k, v)) == 5  # q, k, v, o, lse
 
 
-def test_gradient_through_tangent_output_raises():
+def test_gradient_through_tangent_output():
+    """A gradient reaching ``to`` runs the second-order backward (one launch of its kernels; a
+    gradient of ``o`` alone the plain backward), with the float64 double-differentiation result
+    (tests/test_second_order.py covers the shapes and outputs)."""
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 9, 9, 16, 16, "bhnd", torch.float32)
-    q.requires_grad_()
-    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
-    o.sum().backward()  # the primal output is differentiable
-    assert q.grad is not None
-    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
-    with pytest.raises(NotImplementedError, match="second order"):
-        (o.sum() + to.sum()).backward()
+    wo, wt = torch.randn_like(q), torch.randn_like(q)
+    grads = {}
+    for name, dtype in (("got", torch.float32), ("truth", torch.float64), ("lowp", torch.float32)):
+        fn = flashjvp.attention_jvp if name == "got" else flashjvp.attention_jvp_ref
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, tq)]
+        with Launches() as n:
+            o, to = fn(*leaves, tk.to(dtype), tv.to(dtype))[:2]
+            (o * wo.to(dtype)).sum().backward(retain_graph=True)
+            first = n.count("_attn_bwd_jvp_dq_kernel"), n.count("_attn_bwd_dq_kernel")
+            (to * wt.to(dtype)).sum().backward()
+        if name == "got":
+            assert first == (0, 1), first  # o alone: the plain backward
+            assert n.count("_attn_bwd_jvp_dq_kernel") == 1
+        grads[name] = [x.grad for x in leaves]
+    for label, g, t, lp in zip(("dq", "dk", "dv", "dtq"), grads["got"], grads["truth"], grads["lowp"]):
+        assert_close(label, g, t, lp, torch.float32)
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])

@@ -215,7 +215,7 @@ def test_tiny_run_on_cpu(kernel_file, monkeypatch):
     providers.append(bench.load_kernel(f"kern={kernel_file}:attention")[0])
     lines = []
     rows = bench.run(shapes, providers, bench.MODES, torch.float32, quick=True, log=lines.append)
-    assert len(rows) == len(lines) == 2 * (4 + 2 + 2 + 3)
+    assert len(rows) == len(lines) == 2 * (5 + 2 + 3 + 3)  # modes of flashjvp, cudnn, math-jvp, kern
     got = {(r.shape, r.provider, r.mode): r for r in rows}
     for r in rows:
         assert (r.skip is None) == (r.ms is not None)
@@ -225,6 +225,7 @@ def test_tiny_run_on_cpu(kernel_file, monkeypatch):
         assert r.tflops == pytest.approx(shapes[0].flops(mode) / 0.5e9)
     assert got[("t", "torch-math-jvp", "fwd_jvp")].tiles is None
     assert got[("tq", "torch-math-jvp", "fwd_jvp")].ms == 0.5
+    assert got[("t", "torch-math-jvp", "jvp_bwd")].ms == 0.5
     assert got[("t", "kern", "fwd_jvp")].ms == 0.5
     assert "flash_attn is not installed" in got[("t", "kern", "bwd")].skip
     assert "flash_attn is not installed" in got[("t", "kern", "scm")].skip
