@@ -294,3 +294,40 @@ def test_models_on_cuda(name, dtype, request, capsys):
             err = (got.float() - want).abs().max().item()
             base_err = (base.float() - want).abs().max().item()
             assert err <= 2 * base_err + 1e-3 * want.abs().max().item(), (err, base_err)
+
+
+# --- torch.compile -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()), reason="needs the kernels")
+@pytest.mark.parametrize("name", ["timm_vit", "diffusers_dit"])
+def test_models_compiled_match_eager(name, request):
+    """``torch.compile`` of an unmodified model inside ``patch_sdpa()``: the forward, the
+    gradients and ``torch.func.jvp`` of the compiled model match the eager patched model, and
+    flashjvp's kernels ran (Inductor on a GPU, AOTAutograd on the CPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch._dynamo.reset()
+    if name == "timm_vit":
+        model = make_vit(request.getfixturevalue("vit_cls"))
+        x = torch.randn(2, 3, 16, 16)
+        fn_of = lambda m: m  # noqa: E731
+    else:
+        model = make_dit(request.getfixturevalue("dit_cls"))
+        x = torch.randn(2, 4, 8, 8)
+        fn_of = lambda m: dit_fn(m, 2)  # noqa: E731
+    model, x = model.to(device), x.to(device)
+    t = torch.randn_like(x)
+    fn = fn_of(model)
+    compiled = torch.compile(fn, backend="inductor" if device == "cuda" else "aot_eager")
+    results = []
+    for f in (fn, compiled):
+        model.zero_grad(set_to_none=True)
+        with patch_sdpa(), Launches() as n:
+            out = f(x)
+            out.square().sum().backward()
+            with torch.no_grad():
+                jvp = torch.func.jvp(f, (x,), (t,))
+        assert n.fwd >= 2 and n.bwd >= 2, (n.fwd, n.bwd)
+        results.append([out.detach(), *jvp] + [p.grad for p in model.parameters() if p.grad is not None])
+    for got, want in zip(results[1], results[0]):
+        assert_close_rel(got, want, rtol=1e-4, floor=1e-6 * want.abs().max().item())
+    torch._dynamo.reset()

@@ -34,7 +34,8 @@ class LaunchLog:
         return self
 
     def __exit__(self, *exc) -> bool:
-        LaunchLog._active.remove(self.launches)
+        active = LaunchLog._active
+        del active[next(i for i, log in enumerate(active) if log is self.launches)]  # this log, not an equal one
         return False
 
     def count(self, kernel: str, **flags) -> int:
@@ -67,12 +68,12 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> dict:
         kernel[grid](*args, **kwargs)
         config = _TUNED[key] = kernel.best_config.all_kwargs()
     else:
-        inner = kernel.fn
+        inner, flags = kernel.fn, {}
         rules = getattr(inner, "values", None)  # @triton.heuristics, if any: its rules, on ``kwargs``
         if rules is not None:
-            kwargs = {**kwargs, **{name: rule(kwargs) for name, rule in rules.items()}}
+            flags = {name: rule(kwargs) for name, rule in rules.items()}
             inner = inner.fn
-        inner[grid](*args, **kwargs, **config)
+        inner[grid](*args, **kwargs, **flags, **config)
     if LaunchLog._active:
         record_launch(kernel.base_fn.__name__, config, **kwargs)
     return config
