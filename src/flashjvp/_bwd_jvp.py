@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashjvp._jit import LOG2E, LOG2E_K
+from flashjvp._bwd import _lse_log2
+from flashjvp._jit import LOG2E
 from flashjvp._launch import dot_precision, launch_device, launch_tuned, new_buffer
 from flashjvp._policy import BWD_JVP_TILES, head_blocks, length_bucket, prune_bwd_jvp_configs, tile_configs
 from flashjvp._validate import AttnArgs
@@ -47,6 +48,17 @@ def _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL: tl.constexpr):
     if CAUSAL:
         visible = visible & (keys[None, :] <= rows[:, None] + causal_off)
     return tl.where(visible, p, 0.0)
+
+
+@triton.jit
+def _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, DOT_PREC: tl.constexpr):
+    """tS = scale (tQ K^T + Q tK^T) for a (rows x keys) tile shaped like ``p``."""
+    ts = tl.zeros_like(p)
+    if HAS_TQ:
+        ts = tl.dot(tq, tl.trans(k), ts, input_precision=DOT_PREC)
+    if HAS_TK:
+        ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
+    return ts * scale
 
 
 @triton.jit
@@ -118,8 +130,7 @@ def _attn_bwd_jvp_dq_kernel(
         delta += g * mu
     tl.store(DELTA + idx, delta, mask=rvalid)  # read by the dK/dV kernel launched next
     tl.store(G + idx, g, mask=rvalid)
-    lse = tl.load(LSE + idx, mask=rvalid, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)  # P = 0 on rows without keys
+    lse2 = _lse_log2(LSE, idx, rvalid)  # (BLOCK_M,); P = 0 on rows without keys
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
     dtq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
@@ -134,13 +145,9 @@ def _attn_bwd_jvp_dq_kernel(
         tv = v
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
         p = _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL)
-        ts = tl.zeros_like(p)
-        if HAS_TQ:
-            ts = tl.dot(tq, tl.trans(k), ts, input_precision=DOT_PREC)
         if HAS_TK:
             tk = _tile(TK + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
-            ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
-        ts = ts * scale
+        ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_TV:
             tv = _tile(TV + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
         ds, dts = _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv, HAS_TS, HAS_TV, HAS_DO, HAS_DTO,
@@ -198,18 +205,13 @@ def _attn_bwd_jvp_dkdv_kernel(
             rvalid = rows < N_Q
             idx = bh * N_Q + rows
             q = _tile(Q + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
-            lse = tl.load(LSE + idx, mask=rvalid, other=float("-inf"))
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
+            lse2 = _lse_log2(LSE, idx, rvalid)  # (BLOCK_M,)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
             p = _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL)
             tq = q
-            ts = tl.zeros_like(p)
             if HAS_TQ:
                 tq = _tile(TQ + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
-                ts = tl.dot(tq, tl.trans(k), ts, input_precision=DOT_PREC)
-            if HAS_TK:
-                ts = tl.dot(q, tl.trans(tk), ts, input_precision=DOT_PREC)
-            ts = ts * scale
+            ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
             mu = tl.load(MU + idx, mask=rvalid, other=0.0)
             g = tl.load(G + idx, mask=rvalid, other=0.0)
             delta = tl.load(DELTA + idx, mask=rvalid, other=0.0)
