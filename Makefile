@@ -3,10 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# CPU CI: torch's CPU build (2.13.0) and Triton 3.6 (its interpreter needs numpy < 2.4);
-# torchvision 0.28.0 is the release that pairs with torch 2.13.0 (timm needs it).
-DEPS := torch==2.13.0 triton==3.6.0 "numpy<2.4" pytest ruff \
-	timm==1.0.31 torchvision==0.28.0 diffusers==0.42.1 scikit-learn matplotlib tqdm
+# CPU CI pins torch's CPU build (2.13.0), Triton 3.6 and the model libraries tested with them
+# (torchvision 0.28.0 pairs with torch 2.13.0); the rest comes from the `dev` extra (pyproject.toml).
+PINS := torch==2.13.0 triton==3.6.0 torchvision==0.28.0 timm==1.0.31 diffusers==0.42.1
 HAS_GPU = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
 .PHONY: test demo lint bench gpu-test clean
@@ -14,15 +13,15 @@ HAS_GPU = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))"
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(DEPS)
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q $(PINS)
+	$(PY) -m pip install -q -e ".[dev]" $(PINS)
 	touch $(STAMP)
 
 test: $(STAMP)  ## the whole suite; on a machine without a GPU the kernels run in Triton's interpreter
 	$(PY) -m pytest tests -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples scripts
+	$(VENV)/bin/ruff check src tests examples scripts benchmarks
 
 # On a CPU: a smaller model that still trains to a meaningful figure in a few minutes on 2 cores.
 CPU_DEMO := --device cpu --steps 1500 --dim 64 --depth 4 --heads 4 --batch-size 128 --lr 1e-3

@@ -1,9 +1,10 @@
 """Host (Python) time of flashjvp's public calls, with the Triton launch stubbed out.
 
 Small attention calls are bound by the host: this measures what flashjvp's own Python adds per
-call (argument checks, routing, buffers, launch arguments), without a GPU. The best of 21
-timings of ``--calls`` calls (as ``timeit`` reports: the least disturbed), microseconds per call, for a plain forward and a forward+JVP at
-B32 H16 N256 D72 (bf16 CPU tensors; the path taken is the one CUDA tensors take).
+call (argument checks, routing, buffers, launch arguments), without a GPU. It prints the best of
+21 timings of ``--calls`` calls (as ``timeit`` does: the least disturbed), in microseconds per
+call, for a plain forward and a forward+JVP at B32 H16 N256 D72 (bf16 CPU tensors; the path taken
+is the one CUDA tensors take).
 
     PYTHONPATH=src python benchmarks/host_time.py
 """
