@@ -1,0 +1,100 @@
+"""flashjvp.distributed on CPU processes (gloo; kernels in Triton's interpreter): every rank's
+shard of the output, its tangent and its gradients against the float64 single-process reference
+on the whole sequence."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashjvp
+from flashjvp.distributed import ulysses_attention, ulysses_attention_jvp
+from helpers import assert_close
+
+# (B, Hq, Hkv, N, D, causal): N divisible by 4 ranks
+CASE = (2, 4, 4, 24, 16, False)
+GQA_CASE = (1, 8, 4, 20, 16, True)
+
+
+def _full(case, seed):
+    b, hq, hkv, n, d, _ = case
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(b, n, hq, d), (b, n, hkv, d), (b, n, hkv, d)] * 2  # bnhd: q, k, v, tq, tk, tv
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def _shard(x, rank, world):
+    n = x.shape[1] // world
+    return x[:, rank * n:(rank + 1) * n]
+
+
+def _refs(fn, xs, dtype):
+    leaves = [x.detach().to(dtype).requires_grad_() for x in xs[:3]]
+    o, to = fn(leaves, [t.to(dtype) for t in xs[3:]])
+    w = torch.arange(o.numel(), dtype=dtype).reshape(o.shape).sin()
+    (o * w).sum().backward()
+    return o.detach(), to.detach(), [x.grad for x in leaves], w
+
+
+def _check_case(case, rank, world):
+    causal = case[5]
+    xs = _full(case, seed=sum(case[:5]))
+    kw = dict(causal=causal, layout="bnhd")
+
+    def reference(prim, tans):
+        return torch.func.jvp(lambda *a: flashjvp.attention_ref(*a, **kw), tuple(prim), tuple(tans))
+
+    truth = _refs(reference, xs, torch.float64)
+    lowp = _refs(reference, xs, torch.float32)
+
+    def ulysses(prim, tans):
+        shards = [_shard(x, rank, world) for x in prim]
+        return torch.func.jvp(lambda *a: ulysses_attention(*a, causal=causal), tuple(shards),
+                              tuple(_shard(t, rank, world) for t in tans))
+
+    leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
+    o, to = ulysses(leaves, xs[3:])
+    (o * _shard(truth[3].float(), rank, world)).sum().backward()
+    for name, got, t, lp in (("o", o, truth[0], lowp[0]), ("to", to, truth[1], lowp[1])):
+        assert_close(f"rank {rank} {name}", got, _shard(t, rank, world), _shard(lp, rank, world), torch.float32)
+    # every rank's gradient reaches the whole sequence: sum them over the ranks
+    for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth[2], lowp[2]):
+        grad = x.grad.clone()
+        dist.all_reduce(grad)
+        assert_close(f"rank {rank} {name}", grad, t, lp, torch.float32)
+    o2, to2 = ulysses_attention_jvp(*[_shard(x, rank, world) for x in xs], causal=causal)
+    assert_close(f"rank {rank} o (explicit)", o2, _shard(truth[0], rank, world), _shard(lowp[0], rank, world),
+                 torch.float32)
+    assert_close(f"rank {rank} to (explicit)", to2, _shard(truth[1], rank, world), _shard(lowp[1], rank, world),
+                 torch.float32)
+
+
+def _worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    try:
+        _check_case(CASE, rank, world)
+        _check_case(GQA_CASE, rank, world)
+        q = torch.randn(1, 4 + rank, 4, 16)  # shards of different lengths
+        with pytest.raises(ValueError, match="same length"):
+            ulysses_attention(q, q, q)
+        with pytest.raises(ValueError, match="divisible by the group size"):
+            ulysses_attention(*(torch.randn(1, 4, 3, 16),) * 3)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_matches_single_process(world):
+    if not flashjvp.interface._use_kernels(torch.empty(0)):
+        pytest.skip("the CPU ranks run the kernels through TRITON_INTERPRET=1")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "rendezvous")), nprocs=world)
+
+
+def test_uninitialised_raises():
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ulysses_attention(q, q, q)
