@@ -11,12 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashjvp
+from flashjvp._launch import LaunchLog
 from flashjvp.distributed import ulysses_attention, ulysses_attention_jvp
 from helpers import assert_close
 
-# (B, Hq, Hkv, N, D, causal): N divisible by 4 ranks
+# (B, Hq, Hkv, N, D, causal): N divisible by 2 x 4 ranks (zig-zag chunks)
 CASE = (2, 4, 4, 24, 16, False)
-GQA_CASE = (1, 8, 4, 20, 16, True)
+GQA_CASE = (1, 8, 4, 32, 16, True)
 
 
 def _full(case, seed):
@@ -31,11 +32,12 @@ def _shard(x, rank, world):
     return x[:, rank * n:(rank + 1) * n]
 
 
-def _refs(fn, xs, dtype):
+def _refs(fn, xs, dtype, through_tangent=False):
+    """(o, to, gradients of <o, w> (+ <to, w^2> with ``through_tangent``) w.r.t. q, k, v, w)."""
     leaves = [x.detach().to(dtype).requires_grad_() for x in xs[:3]]
     o, to = fn(leaves, [t.to(dtype) for t in xs[3:]])
     w = torch.arange(o.numel(), dtype=dtype).reshape(o.shape).sin()
-    (o * w).sum().backward()
+    ((o * w).sum() + ((to * w * w).sum() if through_tangent else 0)).backward()
     return o.detach(), to.detach(), [x.grad for x in leaves], w
 
 
@@ -47,8 +49,8 @@ def _check_case(case, rank, world):
     def reference(prim, tans):
         return torch.func.jvp(lambda *a: flashjvp.attention_ref(*a, **kw), tuple(prim), tuple(tans))
 
-    truth = _refs(reference, xs, torch.float64)
-    lowp = _refs(reference, xs, torch.float32)
+    truth = _refs(reference, xs, torch.float64, through_tangent=True)
+    lowp = _refs(reference, xs, torch.float32, through_tangent=True)
 
     def ulysses(prim, tans):
         shards = [_shard(x, rank, world) for x in prim]
@@ -57,7 +59,8 @@ def _check_case(case, rank, world):
 
     leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
     o, to = ulysses(leaves, xs[3:])
-    (o * _shard(truth[3].float(), rank, world)).sum().backward()
+    w = _shard(truth[3].float(), rank, world)
+    ((o * w).sum() + (to * w * w).sum()).backward()  # through the tangent too (second order)
     for name, got, t, lp in (("o", o, truth[0], lowp[0]), ("to", to, truth[1], lowp[1])):
         assert_close(f"rank {rank} {name}", got, _shard(t, rank, world), _shard(lp, rank, world), torch.float32)
     # every rank's gradient reaches the whole sequence: sum them over the ranks
@@ -77,6 +80,8 @@ def _worker(rank, world, path):
     try:
         _check_case(CASE, rank, world)
         _check_case(GQA_CASE, rank, world)
+        _check_ring(CASE, rank, world)
+        _check_ring(GQA_CASE, rank, world)
         q = torch.randn(1, 4 + rank, 4, 16)  # shards of different lengths
         with pytest.raises(ValueError, match="same length"):
             ulysses_attention(q, q, q)
@@ -98,3 +103,38 @@ def test_uninitialised_raises():
     q = torch.randn(1, 4, 2, 16)
     with pytest.raises(RuntimeError, match="init_process_group"):
         ulysses_attention(q, q, q)
+
+
+def _check_ring(case, rank, world):
+    """Ring attention (zig-zag shards when causal) against the float64 whole-sequence reference:
+    output, its tangent under torch.func.jvp, gradients, and the explicit-tangent form."""
+    from flashjvp.distributed import ring_attention, ring_attention_jvp, zigzag_shard
+
+    causal = case[5]
+    shard = (lambda x: zigzag_shard(x, rank, world)) if causal else (lambda x: _shard(x, rank, world))
+    xs = _full(case, seed=sum(case[:5]) + 1)
+    kw = dict(causal=causal, layout="bnhd")
+
+    def reference(prim, tans):
+        return torch.func.jvp(lambda *a: flashjvp.attention_ref(*a, **kw), tuple(prim), tuple(tans))
+
+    truth, lowp = _refs(reference, xs, torch.float64), _refs(reference, xs, torch.float32)
+    leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
+    with LaunchLog() as log:
+        o, to = torch.func.jvp(lambda *a: ring_attention(*a, causal=causal), tuple(shard(x) for x in leaves),
+                               tuple(shard(t) for t in xs[3:]))
+    assert log.count("_attn_fwd_kernel", HAS_TQ=True) == len(log.launches), "fused forward+JVP per shard"
+    (o * shard(truth[3].float())).sum().backward()
+    for name, got, t, lp in (("o", o, truth[0], lowp[0]), ("to", to, truth[1], lowp[1])):
+        assert_close(f"ring rank {rank} {name}", got, shard(t), shard(lp), torch.float32)
+    for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth[2], lowp[2]):
+        grad = x.grad.clone()
+        dist.all_reduce(grad)
+        assert_close(f"ring rank {rank} {name}", grad, t, lp, torch.float32)
+    o, to = torch.func.jvp(lambda *a: ring_attention(*a, causal=causal), tuple(shard(x) for x in leaves),
+                           tuple(shard(t) for t in xs[3:]))
+    with pytest.raises(NotImplementedError, match="gradients through the tangent"):
+        to.sum().backward()
+    o2, to2 = ring_attention_jvp(*[shard(x) for x in xs], causal=causal)
+    assert_close(f"ring rank {rank} o (explicit)", o2, shard(truth[0]), shard(lowp[0]), torch.float32)
+    assert_close(f"ring rank {rank} to (explicit)", to2, shard(truth[1]), shard(lowp[1]), torch.float32)

@@ -1,22 +1,31 @@
-"""Sequence parallelism with tangents over ``torch.distributed``: Ulysses attention.
+"""Sequence parallelism with tangents over ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
 
-Each rank of ``group`` holds a contiguous shard of the sequence, ``N / P`` rows of q, k and v
-(rank r: rows ``[r N/P, (r+1) N/P)``). One all-to-all per tensor turns the sequence shards into
-head shards (every rank: the whole sequence for ``H / P`` heads), flashjvp's kernels run on them,
-and one all-to-all turns the output back into sequence shards. The exchange is linear, so its
-tangent is the same exchange of the tangent and its gradient the inverse exchange: the function
-works under ``torch.func.jvp`` and ``forward_ad`` (fused forward+JVP kernel per rank) and
-backward, through NCCL on GPUs and gloo on CPUs.
+Each rank of ``group`` holds a shard of the sequence of q, k and v.
+
+* Ulysses (:func:`ulysses_attention`): rank r holds rows ``[r N/P, (r+1) N/P)``. One all-to-all
+  per tensor turns the sequence shards into head shards (every rank: the whole sequence for
+  ``H / P`` heads), flashjvp's kernels run on them, one all-to-all turns the output back. The
+  exchange is linear: its tangent is the same exchange of the tangent, its gradient the inverse.
+* Ring (:func:`ring_attention`): the key/value shards (and their tangents) travel around the ring
+  while each rank attends its queries to the shard it holds; the partial results are merged
+  exactly with their log-sum-exp and its tangent (docs/math.md, "Merging results over key
+  shards"). Causal attention uses the zig-zag layout (:func:`zigzag_shard`) so that every rank
+  does the same work. The backward passes dK, dV around the ring with the keys and values.
+
+Both work under ``torch.func.jvp`` and ``forward_ad`` (fused forward+JVP kernel per rank and
+shard) and backward.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 
 import flashjvp
 
-__all__ = ["ulysses_attention", "ulysses_attention_jvp"]
+__all__ = ["ulysses_attention", "ulysses_attention_jvp", "ring_attention", "ring_attention_jvp", "zigzag_shard",
+           "zigzag_unshard"]
 
 
 def _world(group) -> int:
@@ -56,16 +65,17 @@ class _Exchange(torch.autograd.Function):
         ctx.group, ctx.to_heads = inputs[1], inputs[2]
 
     @staticmethod
-    def jvp(ctx, t, *_):
-        return (_seq_to_heads if ctx.to_heads else _heads_to_seq)(t, ctx.group)
+    def jvp(ctx, t, *_):  # through apply: the tangent stays differentiable (second order)
+        return _Exchange.apply(t, ctx.group, ctx.to_heads)
 
     @staticmethod
     def backward(ctx, g):
         return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(g, ctx.group), None, None
 
 
-def _check(q, k, v, tangents, group, layout):
-    """Shapes Ulysses needs, the same on every rank (one small all-gather of the sizes)."""
+def _check(q, k, v, tangents, group, layout, heads=True):
+    """Shapes the exchanges need (``heads``: head counts divisible by the group size, for
+    Ulysses), the same on every rank (one small all-gather of the sizes)."""
     if not dist.is_initialized():
         raise RuntimeError("flashjvp.distributed: torch.distributed is not initialised "
                            "(call torch.distributed.init_process_group first)")
@@ -77,7 +87,7 @@ def _check(q, k, v, tangents, group, layout):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name}: expected a 4-d tensor, got {getattr(x, 'shape', type(x).__name__)}")
-        if x.shape[head] % p:
+        if heads and x.shape[head] % p:
             raise ValueError(f"{name}: expected a number of heads divisible by the group size {p}, "
                              f"got {x.shape[head]}")
     for name, t, x in zip(("tq", "tk", "tv"), tangents, (q, k, v)):
@@ -136,3 +146,257 @@ def ulysses_attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, group=None, cau
     o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout="bnhd")
     o, to = exchange(o, to, False)
     return _to_bnhd(o, layout), _to_bnhd(to, layout)
+
+
+# --------------------------------------------------------------------------- ring attention
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s zig-zag shard of a whole sequence along ``dim``: the sequence cut into
+    ``2 * world`` equal chunks, the rank holding chunks ``rank`` and ``2 world - 1 - rank``. Causal
+    ring attention expects its inputs in this layout (the early chunks' light rows and the late
+    chunks' heavy rows on every rank)."""
+    chunks = x.chunk(2 * world, dim=dim)
+    return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim=dim)
+
+
+def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's zig-zag shard (``shards[r]`` from rank r)."""
+    world = len(shards)
+    halves = [s.chunk(2, dim=dim) for s in shards]
+    return torch.cat([halves[c][0] if c < world else halves[2 * world - 1 - c][1] for c in range(2 * world)], dim=dim)
+
+
+def _ring_blocks(rank: int, src: int, world: int, causal: bool):
+    """``(q_chunk, kv_chunk, causal)`` attention calls of this rank's queries against the shard of
+    rank ``src``: the whole shards without ``causal``; with it, the zig-zag chunks pairwise, a
+    chunk seeing all of an earlier chunk, the diagonal causally and nothing of a later one."""
+    if not causal:
+        return [(None, None, False)]
+    mine, theirs = (rank, 2 * world - 1 - rank), (src, 2 * world - 1 - src)
+    return [(i, j, a == c) for i, a in enumerate(mine) for j, c in enumerate(theirs) if c <= a]
+
+
+def _chunk(x, i):
+    return x if (x is None or i is None) else x.chunk(2, dim=1)[i]
+
+
+class _MergedRows:
+    """Running exact merge of partial attention results over disjoint key shards for one block of
+    query rows (bnhd ``o``; lse, mu (B, H, N)): LSE = logaddexp, weights exp(lse_i - LSE), and
+    ``acc`` = sum of w_i (to_i + mu_i o_i), from which to = acc - mu o (float32)."""
+
+    def __init__(self):
+        self.o = self.acc = self.lse = self.mu = None
+
+    def add(self, o, to, lse, mu):
+        o = o.float()
+        w_rows = lambda w: w.transpose(1, 2).unsqueeze(-1)  # (B, H, N) -> (B, N, H, 1)  # noqa: E731
+        t = None if to is None else to.float() + w_rows(mu) * o
+        if self.o is None:
+            self.o, self.acc, self.lse, self.mu = o, t, lse, mu
+            return
+        new = torch.logaddexp(self.lse, lse)
+        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows no shard saw a key of
+        w_old, w_new = torch.exp(self.lse - safe), torch.exp(lse - safe)
+        self.o = w_rows(w_old) * self.o + w_rows(w_new) * o
+        if t is not None:
+            self.acc = w_rows(w_old) * self.acc + w_rows(w_new) * t
+            self.mu = w_old * self.mu + w_new * mu
+        self.lse = new
+
+    def result(self, dtype):
+        to = None
+        if self.acc is not None:
+            to = (self.acc - self.mu.transpose(1, 2).unsqueeze(-1) * self.o).to(dtype)
+        return self.o.to(dtype), to, self.lse, self.mu
+
+
+def _ring_step(tensors, group):
+    """Send ``tensors`` to the next rank and receive the previous rank's (same shapes); returns
+    the receive buffers and the pending requests (wait on them before reading)."""
+    world, rank = _world(group), dist.get_rank(group)
+    peer = lambda r: r % world if group is None else dist.get_global_rank(group, r % world)  # noqa: E731
+    recv = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, peer(rank + 1), group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, peer(rank - 1), group) for r in recv]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _ring_forward(q, k, v, tq, tk, tv, group, causal, scale):
+    """Ring attention on bnhd shards: ``(o, to, lse, mu)``, ``to``/``mu`` None without tangents.
+    The next shard's transfer runs while the kernels work on the present one."""
+    world, rank = _world(group), dist.get_rank(group)
+    halves = [None] if not causal else [0, 1]
+    merged = {i: _MergedRows() for i in halves}
+    kv = [x.contiguous() for x in (k, v, tk, tv) if x is not None]  # sent as they are
+    present = [x is not None for x in (k, v, tk, tv)]
+    for step in range(world):
+        src = (rank - step) % world
+        pending = _ring_step(kv, group) if step < world - 1 else None
+        bk, bv, btk, btv = _unpack(kv, present)
+        for i, j, diag in _ring_blocks(rank, src, world, causal):
+            out = flashjvp.attention_jvp(_chunk(q, i), _chunk(bk, j), _chunk(bv, j), _chunk(tq, i), _chunk(btk, j),
+                                         _chunk(btv, j), causal=diag, scale=scale, layout="bnhd", return_lse=True)
+            jvp = tq is not None or tk is not None or tv is not None
+            merged[i].add(out[0], out[1] if jvp else None, out[2], out[3])
+        if pending is not None:
+            kv, reqs = pending
+            for req in reqs:
+                req.wait()
+    parts = [merged[i].result(q.dtype) for i in halves]
+    if len(parts) == 1:
+        return parts[0]
+    o, to, lse, mu = zip(*parts)
+    cat = lambda xs, d: None if xs[0] is None else torch.cat(xs, dim=d)  # noqa: E731
+    return cat(o, 1), cat(to, 1), cat(lse, 2), cat(mu, 2)
+
+
+def _unpack(kv, present):
+    it = iter(kv)
+    return [next(it) if p else None for p in present]
+
+
+def _ring_backward(do, q, k, v, o, lse, group, causal, scale):
+    """Gradients of ring attention's ``o``: dQ stays, dK and dV travel around the ring with their
+    keys and values and arrive back at their rank after a full turn. Each block's gradients come
+    from the merged ``o`` and ``lse`` (the FlashAttention-2 backward is exact block by block)."""
+    from flashjvp._bwd import attn_bwd
+    from flashjvp._validate import check_inputs
+
+    world, rank = _world(group), dist.get_rank(group)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    travel = [k.contiguous(), v.contiguous(), torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+              torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    for step in range(world):
+        src = (rank - step) % world
+        bk, bv, dk, dv = travel
+        for i, j, diag in _ring_blocks(rank, src, world, causal):
+            qi, ki, vi = _chunk(q, i), _chunk(bk, j), _chunk(bv, j)
+            oi, doi = _chunk(o, i), _chunk(do, i)
+            lsei = lse if i is None else lse.chunk(2, dim=2)[i]
+            a = check_inputs(qi, ki, vi, causal=diag, scale=scale, layout="bnhd", allow_float64=False)
+            g = attn_bwd(doi.contiguous(), qi, ki, vi, oi.contiguous(), lsei.contiguous(), a)
+            _chunk(dq, i).add_(g[0])
+            _chunk(dk, j).add_(g[1])
+            _chunk(dv, j).add_(g[2])
+        if world > 1:  # on, and after the last step home: the block of rank r + 1 to rank r + 1
+            travel, reqs = _ring_step(travel if step < world - 1 else travel[2:], group)
+            for req in reqs:
+                req.wait()
+            travel = travel if step < world - 1 else [None, None, *travel]
+    return dq.to(q.dtype), travel[2].to(k.dtype), travel[3].to(v.dtype)
+
+
+def _storage(x: torch.Tensor):
+    """The storage under ``x``, through torch.func's wrappers (under ``torch.func.jvp`` the saved
+    tensors a ``jvp`` rule sees are wrapped)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x.untyped_storage()
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention as one autograd node: ``forward`` runs the ring (or, with ``defer``, only
+    allocates: ``jvp``, which PyTorch calls right after it, runs the ring once with the tangents
+    and fills ``o`` in place), ``backward`` the gradient ring."""
+
+    @staticmethod
+    def forward(q, k, v, group, causal, scale, defer):
+        if defer:
+            b, n, h, _ = q.shape
+            return q.new_empty(b, n, h, v.shape[-1]), q.new_empty(b, h, n, dtype=torch.float32)
+        o, _, lse, _ = _ring_forward(q, k, v, None, None, None, group, causal, scale)
+        return o, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, ctx.group, ctx.causal, ctx.scale, ctx.defer = inputs
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.save_for_forward(q, k, v, *output)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, *_):
+        q, k, v, o, lse = ctx.saved_tensors
+        o_, to, lse_, _ = _ring_forward(q, k, v, tq, tk, tv, ctx.group, ctx.causal, ctx.scale)
+        if to is not None:  # a gradient reaching the tangent must not vanish: it raises
+            to = _TangentWithoutGrad.apply(to, q, k, v, tq, tk, tv)
+        if ctx.defer:  # fill forward's outputs through their storage, as a kernel writes them:
+            # autograd saved them (for backward) before this, and must not see a change
+            _storage(o).copy_(_storage(o_.contiguous()))
+            _storage(lse).copy_(_storage(lse_.contiguous()))
+        return (torch.zeros_like(o) if to is None else to), None
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        if do is None:
+            return (None,) * 7
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*_ring_backward(do, q, k, v, o, lse, ctx.group, ctx.causal, ctx.scale), *(None,) * 4)
+
+
+class _TangentWithoutGrad(torch.autograd.Function):
+    """Ring attention's tangent, attached to its inputs so that a gradient reaching it raises."""
+
+    @staticmethod
+    def forward(to, *inputs):
+        return to.view_as(to)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("flashjvp.distributed.ring_attention: gradients through the tangent are not "
+                                  "supported; use ulysses_attention for second-order training objectives")
+
+
+def _has_tangent(x):
+    return fwAD.unpack_dual(x).tangent is not None
+
+
+def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bnhd"):
+    """Attention over a sequence sharded across the ranks of ``group``, by ring attention.
+
+    Args:
+        q, k, v: this rank's shards, (B, Nq/P, Hq, Dqk), (B, Nk/P, Hkv, Dqk), (B, Nk/P, Hkv, Dv)
+            for ``layout="bnhd"`` (or bhnd). Without ``causal`` any assignment of contiguous
+            shards to ranks works; with ``causal`` (top-left, over global positions, Nq == Nk)
+            the shards must be zig-zag ones (:func:`zigzag_shard`), which balances the work.
+            Every rank's shards have the same length; GQA as in :func:`flashjvp.attention`.
+        group: the process group (default: the world).
+
+    Returns:
+        this rank's shard of the output, (B, Nq/P, Hq, Dv) (or bhnd), in the input's order.
+
+    Differentiable (dK, dV passed around the ring) and forward-differentiable: under
+    ``torch.func.jvp`` / ``forward_ad`` one ring carries the keys, values and their tangents and
+    each rank runs the fused forward+JVP kernel per shard. Gradients through the tangent are not
+    supported on this path (use :func:`ulysses_attention`).
+    """
+    _check(q, k, v, (None, None, None), group, layout, heads=False)
+    if causal and q.shape[1 if layout == "bnhd" else 2] % 2:
+        raise ValueError("q: causal ring attention needs an even shard length (two zig-zag chunks)")
+    q, k, v = (_to_bnhd(x, layout) for x in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
+    o, _ = _Ring.apply(q, k, v, group, bool(causal), scale, defer)
+    return _to_bnhd(o, layout)
+
+
+def ring_attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, group=None, causal=False, scale=None,
+                       layout="bnhd", return_lse=False):
+    """:func:`ring_attention` and its tangent for explicit tangents (``None`` is zero), in one
+    ring: ``(o, to)`` or, with ``return_lse``, ``(o, to, lse, mu)`` with lse, mu (B, Hq, Nq/P)."""
+    _check(q, k, v, (tq, tk, tv), group, layout, heads=False)
+    q, k, v, tq, tk, tv = (_to_bnhd(x, layout) for x in (q, k, v, tq, tk, tv))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        o, to, lse, mu = _ring_forward(q, k, v, tq, tk, tv, group, bool(causal), scale)
+    if to is None:
+        to, mu = torch.zeros_like(o), torch.zeros_like(lse)
+    o, to = _to_bnhd(o, layout), _to_bnhd(to, layout)
+    return (o, to, lse, mu) if return_lse else (o, to)
