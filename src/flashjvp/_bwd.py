@@ -36,11 +36,12 @@ def _lse_log2(LSE, idx, mask):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, s_qn, s_don,
-    keys, mask_dqk, mask_dv, lo, hi, N_Q, causal_off, scale_log2,
+    keys, kvalid, mask_dqk, mask_dv, lo, hi, N_Q, causal_off, scale_log2,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, KEY_MASK: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi); MASKED applies causality."""
+    """Accumulate dK, dV of one key block over query blocks [lo, hi); MASKED applies causality,
+    KEY_MASK the padding keys (``kvalid`` False)."""
     offs_mb = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_mb  # (BLOCK_M,)
@@ -51,6 +52,8 @@ def _dkdv_inner(
         pt = tl.math.exp2(st - lse2[None, :])  # (BLOCK_N, BLOCK_M): P^T
         if MASKED:
             pt = tl.where(keys[:, None] <= rows[None, :] + causal_off, pt, 0.0)
+        if KEY_MASK:
+            pt = tl.where(kvalid[:, None], pt, 0.0)
         do = load_tile(do_ptrs + start_m * s_don, rvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_M, BLOCK_DV)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
         delta = tl.load(delta_ptr + rows, mask=rvalid, other=0.0)  # (BLOCK_M,)
@@ -65,13 +68,14 @@ def _dkdv_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KV_LENS,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KV_LENS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1).to(tl.int64)
@@ -86,7 +90,11 @@ def _attn_bwd_dkdv_kernel(
     D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     n0 = pid_n * BLOCK_N
     keys = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kvalid = keys < N_K
+    kin = keys < N_K  # (BLOCK_N,) keys of the tensor: all get a gradient
+    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding, with zero gradients
+    if HAS_KV_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
+    kvalid = keys < n_k
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dqk = offs_dqk < D_QK
@@ -101,6 +109,8 @@ def _attn_bwd_dkdv_kernel(
     # Query rows that see some key of this block start at n0 - off; from full_start on, every
     # row sees every key of the block (no causal mask needed).
     m_end = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
+    if HAS_KV_LENS:
+        m_end = tl.where(n0 < n_k, m_end, 0)  # a block of padding only: no query block to visit
     lo = 0
     full_start = 0
     if CAUSAL:
@@ -114,16 +124,16 @@ def _attn_bwd_dkdv_kernel(
         row_base = (b * H_Q + h) * N_Q
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
-                                 s_qn, s_don, keys, mask_dqk, mask_dv, lo, full_start, N_Q,
-                                 causal_off, scale_log2, BLOCK_M, True, EVEN_DQK, EVEN_DV, DOT_PREC)
+                                 s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, lo, full_start, N_Q,
+                                 causal_off, scale_log2, BLOCK_M, True, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
-                             s_qn, s_don, keys, mask_dqk, mask_dv, full_start, m_end, N_Q,
-                             causal_off, scale_log2, BLOCK_M, False, EVEN_DQK, EVEN_DV, DOT_PREC)
+                             s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, full_start, m_end, N_Q,
+                             causal_off, scale_log2, BLOCK_M, False, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
     dk = dk * scale
     tl.store(DK + b * s_dkb + h_kv * s_dkh + keys[:, None] * s_dkn + offs_dqk[None, :] * s_dkd,
-             dk.to(DK.dtype.element_ty), mask=kvalid[:, None] & mask_dqk[None, :])
+             dk.to(DK.dtype.element_ty), mask=kin[:, None] & mask_dqk[None, :])
     tl.store(DV + b * s_dvb + h_kv * s_dvh + keys[:, None] * s_dvn + offs_dv[None, :] * s_dvd,
-             dv.to(DV.dtype.element_ty), mask=kvalid[:, None] & mask_dv[None, :])
+             dv.to(DV.dtype.element_ty), mask=kin[:, None] & mask_dv[None, :])
 
 
 @triton.jit
@@ -157,13 +167,14 @@ def _dq_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ,
+    Q, K, V, O, DO, LSE, DELTA, DQ, KV_LENS,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KV_LENS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -199,12 +210,15 @@ def _attn_bwd_dq_kernel(
     v_ptrs = V + b * s_vb + h_kv * s_vh + offs_dv[:, None] * s_vd + offs_n[None, :] * s_vn
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
 
-    full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
+    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding
+    if HAS_KV_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
+    full_end, hi = key_range(m0, n_k, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk,
-                   mask_dv, 0, full_end, N_K, causal_off, scale_log2, BLOCK_N, False, CAUSAL,
+                   mask_dv, 0, full_end, n_k, causal_off, scale_log2, BLOCK_N, False, CAUSAL,
                    EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk,
-                   mask_dv, full_end, hi, N_K, causal_off, scale_log2, BLOCK_N, True, CAUSAL,
+                   mask_dv, full_end, hi, n_k, causal_off, scale_log2, BLOCK_N, True, CAUSAL,
                    EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = dq * scale
     tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqn + offs_dqk[None, :] * s_dqd,
@@ -221,13 +235,14 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     align = vector_align((sq, sk, sv, so, sdo, sdq, sdk, sdv), a.d_qk, a.d_v)
     common = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk,
                   D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, CAUSAL=a.causal is not None,
-                  DOT_PREC=dot_precision(q.dtype), ALIGN=align)
+                  DOT_PREC=dot_precision(q.dtype), ALIGN=align, HAS_KV_LENS=a.kv_lens is not None)
+    kv_lens = lse if a.kv_lens is None else a.kv_lens
     sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale)
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     with launch_device(q):
-        launch_tuned(_attn_bwd_dq_kernel, grid_q, q, k, v, o, do, lse, delta, dq,
+        launch_tuned(_attn_bwd_dq_kernel, grid_q, q, k, v, o, do, lse, delta, dq, kv_lens,
                      *sq, *sk, *sv, *so, *sdo, *sdq, *sizes, **common)
-        launch_tuned(_attn_bwd_dkdv_kernel, grid_kv, q, k, v, do, lse, delta, dk, dv,
+        launch_tuned(_attn_bwd_dkdv_kernel, grid_kv, q, k, v, do, lse, delta, dk, dv, kv_lens,
                      *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
     return dq, dk, dv

@@ -86,11 +86,11 @@ def _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv,
                  prune_configs_by={"early_config_prune": prune_bwd_jvp_configs})
 @triton.jit
 def _attn_bwd_jvp_dq_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ,
+    Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ, KV_LENS,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
-    HAS_DTO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DTO: tl.constexpr, HAS_KV_LENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     pid_m = tl.program_id(0)
@@ -134,9 +134,12 @@ def _attn_bwd_jvp_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
     dtq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
-    hi = N_K
+    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding
+    if HAS_KV_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
+    hi = n_k
     if CAUSAL:
-        hi = tl.minimum(N_K, tl.maximum(pid_m * BLOCK_M + BLOCK_M + causal_off, 0))
+        hi = tl.minimum(n_k, tl.maximum(pid_m * BLOCK_M + BLOCK_M + causal_off, 0))
     for start_n in range(0, hi, BLOCK_N):
         keys = start_n + offs_n  # (BLOCK_N,)
         k = _tile(K + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
@@ -144,7 +147,7 @@ def _attn_bwd_jvp_dq_kernel(
         tk = k
         tv = v
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
-        p = _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL)
+        p = _probs(s, lse2, rows, keys, n_k, causal_off, CAUSAL)
         if HAS_TK:
             tk = _tile(TK + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
         ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
@@ -168,11 +171,11 @@ def _attn_bwd_jvp_dq_kernel(
                  prune_configs_by={"early_config_prune": prune_bwd_jvp_configs})
 @triton.jit
 def _attn_bwd_jvp_dkdv_kernel(
-    Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV,
+    Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV, KV_LENS,
     H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
-    HAS_DTO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DTO: tl.constexpr, HAS_KV_LENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     pid_n = tl.program_id(0)
@@ -195,9 +198,13 @@ def _attn_bwd_jvp_dkdv_kernel(
     dtk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dtv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding, with zero gradients
+    if HAS_KV_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
     lo = 0
     if CAUSAL:  # query rows that see some key of this block
         lo = (tl.maximum(pid_n * BLOCK_N - causal_off, 0) // BLOCK_M) * BLOCK_M
+    lo = tl.where(pid_n * BLOCK_N < n_k, lo, N_Q)  # a block of padding only: nothing to visit
     for gi in range(GROUPS):  # the query heads of this kv head, summed in a fixed order
         bh = b * H_Q + h_kv * GROUPS + gi
         for start_m in range(lo, N_Q, BLOCK_M):
@@ -207,7 +214,7 @@ def _attn_bwd_jvp_dkdv_kernel(
             q = _tile(Q + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
             lse2 = _lse_log2(LSE, idx, rvalid)  # (BLOCK_M,)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
-            p = _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL)
+            p = _probs(s, lse2, rows, keys, n_k, causal_off, CAUSAL)
             tq = q
             if HAS_TQ:
                 tq = _tile(TQ + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
@@ -277,15 +284,17 @@ def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: Att
     flags = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk, D_V=a.d_v,
                  BLOCK_DQK=bdqk, BLOCK_DV=bdv, CAUSAL=a.causal is not None, DOT_PREC=dot_precision(q.dtype),
                  HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
-                 HAS_DO=do is not None, HAS_DTO=dto is not None)
+                 HAS_DO=do is not None, HAS_DTO=dto is not None, HAS_KV_LENS=a.kv_lens is not None)
+    kv_lens = lse if a.kv_lens is None else a.kv_lens
     sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale)
     alt = lambda x, y: y if x is None else x  # noqa: E731  (a tensor the kernel never reads)
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(_attn_bwd_jvp_dq_kernel, grid_q, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v), o, to,
-                     alt(do, o), alt(dto, o), lse, mu, dlse, dmu, delta, g, dq, alt(dtq, dq), *sizes, **flags)
+                     alt(do, o), alt(dto, o), lse, mu, dlse, dmu, delta, g, dq, alt(dtq, dq), kv_lens, *sizes,
+                     **flags)
         launch_tuned(_attn_bwd_jvp_dkdv_kernel, grid_kv, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v),
                      alt(do, o), alt(dto, o), lse, mu, dlse, delta, g, dk, dv, alt(dtk, dk), alt(dtv, dv),
-                     *sizes, **flags)
+                     kv_lens, *sizes, **flags)
     return tuple(_in_layout(x, L) for x in (dq, dk, dv, dtq, dtk, dtv))

@@ -195,7 +195,7 @@ _FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "HAS_
 })
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP,
+    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP, KV_LENS,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
     s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
@@ -204,7 +204,7 @@ def _attn_fwd_kernel(
     CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_KV_LENS: tl.constexpr,
 ):
     if SPLIT:  # a 1-D grid: row blocks in (batch, head, block) order, then the key shards (_split.py)
         n_mb = tl.cdiv(N_Q, BLOCK_M)
@@ -271,7 +271,10 @@ def _attn_fwd_kernel(
     # Key blocks every row of this block sees completely run unmasked; the rest are masked.
     # Without causality or a partial last key block (KEY_TAIL) the masked loop is not compiled.
     tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
-    full_end, hi = key_range(m0, N_K, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
+    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding
+    if HAS_KV_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
+    full_end, hi = key_range(m0, n_k, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
     lo = 0
     if SPLIT:  # this program's shard of the key blocks: [lo, hi)
         per_shard = tl.cdiv(tl.cdiv(hi, BLOCK_N), shards) * BLOCK_N  # keys, a multiple of BLOCK_N
@@ -280,13 +283,13 @@ def _attn_fwd_kernel(
         full_end = tl.minimum(tl.maximum(full_end, lo), hi)
     acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
         acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-        s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, lo, full_end, N_K,
+        s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, lo, full_end, n_k,
         m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
         HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
     if CAUSAL or KEY_TAIL:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, N_K,
+            s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, n_k,
             m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
 
@@ -373,15 +376,16 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
         config = launch_tuned(
             _attn_fwd_kernel, grid,
             *inputs, o, o if to is None else to, lse, lse if mu is None else mu,
-            *_scratch_args(scratch, o, lse),
+            *_scratch_args(scratch, o, lse), lse if a.kv_lens is None else a.kv_lens,
             *[s for st in strides for s in st],
             a.batch, a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale, max(slots, 1),
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=k_bucket,
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
-            CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % MAX_BLOCK_N != 0,
+            CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % MAX_BLOCK_N != 0 or a.kv_lens is not None,
             HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
             STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma, SPLIT=slots > 0,
+            HAS_KV_LENS=a.kv_lens is not None,
         )
     if scratch:
         bm = config["BLOCK_M"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,8 @@ class AttnArgs:
     causal: str | None  # None, "top_left" or "bottom_right"
     scale: float
     layout: str
+    # (B,) int32 valid keys per batch element (key padding), or None: keys j >= kv_lens[b] unseen
+    kv_lens: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def groups(self) -> int:
@@ -66,8 +68,24 @@ def _norm_scale(scale, d_qk: int) -> float:
     return scale
 
 
+def _check_kv_lens(kv_lens, batch: int, device) -> torch.Tensor | None:
+    """``kv_lens`` as a contiguous int32 (B,) tensor on the inputs' device (values are clamped
+    to [0, Nk] by the kernels: checking them here would synchronise with the GPU)."""
+    if kv_lens is None:
+        return None
+    if not isinstance(kv_lens, torch.Tensor):
+        raise TypeError(f"kv_lens: expected a torch.Tensor of shape ({batch},) or None, got {type(kv_lens).__name__}")
+    if kv_lens.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
+        raise TypeError(f"kv_lens: expected an integer dtype, got {kv_lens.dtype}")
+    if tuple(kv_lens.shape) != (batch,):
+        raise ValueError(f"kv_lens: expected shape ({batch},) (the batch size of q), got {tuple(kv_lens.shape)}")
+    if kv_lens.device != device:
+        raise ValueError(f"kv_lens: expected device {device} (the device of q), got {kv_lens.device}")
+    return kv_lens.to(torch.int32).contiguous()
+
+
 def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
-                 layout="bhnd", allow_float64: bool = True) -> AttnArgs:
+                 layout="bhnd", allow_float64: bool = True, kv_lens=None) -> AttnArgs:
     """Validate shapes, dtypes, devices and options; return the normalised sizes.
 
     Raises ``TypeError`` for wrong types/dtypes and ``ValueError`` for wrong values or shapes,
@@ -126,4 +144,4 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
             raise ValueError(f"{name}: expected device {x.device} (that of {name[1]}), "
                              f"got {t.device}")
     return AttnArgs(b, h_q, h_kv, n_q, n_k, d_qk, d_v, _norm_causal(causal),
-                    _norm_scale(scale, d_qk), layout)
+                    _norm_scale(scale, d_qk), layout, _check_kv_lens(kv_lens, b, q.device))

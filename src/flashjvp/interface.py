@@ -67,7 +67,8 @@ def _cpu_block(q: torch.Tensor) -> int | None:
 def _attention_kernels(q, k, v, a: AttnArgs) -> torch.Tensor:
     stack = _transforms()
     if _needs_math_path(stack):
-        return attention_ref(q, k, v, causal=a.causal, scale=a.scale, layout=a.layout, block_q=_cpu_block(q))
+        return attention_ref(q, k, v, causal=a.causal, scale=a.scale, layout=a.layout, block_q=_cpu_block(q),
+                             kv_lens=a.kv_lens)
     if _plain(stack, q, k, v):
         return attn_fwd(q, k, v, None, None, None, a)[0]
     defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
@@ -79,13 +80,13 @@ def _attention_jvp_kernels(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
     stack = _transforms()
     if _needs_math_path(stack):
         return attention_jvp_ref(q, k, v, tq, tk, tv, causal=a.causal, scale=a.scale, layout=a.layout,
-                                 return_lse=True, block_q=_cpu_block(q))
+                                 return_lse=True, block_q=_cpu_block(q), kv_lens=a.kv_lens)
     if _plain(stack, q, k, v, tq, tk, tv):
         return attn_fwd(q, k, v, tq, tk, tv, a, store_mu=return_lse)
     return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True)  # mu: for the backward
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
+def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None):
     """Scaled dot-product attention ``softmax(scale * q @ k^T) @ v`` (FlashAttention).
 
     Args:
@@ -100,6 +101,9 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
             no key gives zeros.
         scale: softmax scale, default ``Dqk ** -0.5``.
         layout: ``"bhnd"`` or ``"bnhd"``; the output uses the same one.
+        kv_lens: key padding, an integer (B,) tensor on q's device: batch element ``b`` has
+            ``kv_lens[b]`` valid keys, the rest of its keys and values are padding that no query
+            sees (values outside [0, Nk] are clamped). Causal alignment counts all Nk keys.
 
     Returns:
         o: (B, Hq, Nq, Dv) / (B, Nq, Hq, Dv), dtype of q.
@@ -107,20 +111,21 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd"):
     Differentiable (Triton backward) and forward-differentiable: under ``torch.func.jvp`` or
     ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
     """
-    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
+    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens)
     if not _use_kernels(q):
-        return attention_ref(q, k, v, causal=causal, scale=scale, layout=layout, block_q=_cpu_block(q))
+        return attention_ref(q, k, v, causal=causal, scale=scale, layout=layout, block_q=_cpu_block(q),
+                             kv_lens=a.kv_lens)
     if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
-        return attn_fwd_op(q, k, v, a.causal, a.scale, a.layout)[0]
+        return attn_fwd_op(q, k, v, a.causal, a.scale, a.layout, a.kv_lens)[0]
     return _attention_kernels(q, k, v, a)
 
 
 def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
-                  layout="bhnd", return_lse=False):
+                  layout="bhnd", return_lse=False, kv_lens=None):
     """Attention and its forward-mode derivative in one fused kernel launch.
 
     Args:
-        q, k, v, causal, scale, layout: as in :func:`attention`.
+        q, k, v, causal, scale, layout, kv_lens: as in :func:`attention`.
         tq, tk, tv: tangents with the shapes and dtypes of q, k, v (strides may differ);
             ``None`` means zero, and the matrix products it would feed are skipped.
         return_lse: also return ``lse`` and its tangent ``mu``.
@@ -133,12 +138,12 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     backward kernels; through ``to``, ``lse`` or ``mu`` this is the second-order backward).
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
-                     allow_float64=False)
+                     allow_float64=False, kv_lens=kv_lens)
     if not _use_kernels(q):
         o, to, lse, mu = attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
-                                           return_lse=True, block_q=_cpu_block(q))
+                                           return_lse=True, block_q=_cpu_block(q), kv_lens=a.kv_lens)
     elif torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
-        o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq, tk, tv, a.causal, a.scale, a.layout)
+        o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq, tk, tv, a.causal, a.scale, a.layout, a.kv_lens)
     else:
         o, to, lse, mu = _attention_jvp_kernels(q, k, v, tq, tk, tv, a, return_lse)
     if to is None:  # no tangent at all

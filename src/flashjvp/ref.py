@@ -19,12 +19,17 @@ def _to_bhnd(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
 
 
 def _visible(a: AttnArgs, row0: int, rows: int, device) -> torch.Tensor | None:
-    """(rows, Nk) bool mask of visible keys for query rows row0 .. row0+rows-1, or None."""
-    if a.causal is None:
-        return None
-    i = torch.arange(row0, row0 + rows, device=device)[:, None]
-    j = torch.arange(a.n_k, device=device)[None, :]
-    return j <= i + a.causal_offset
+    """Bool mask of visible keys for query rows row0 .. row0+rows-1, broadcastable to
+    (B, H, rows, Nk), or None when every key is visible."""
+    j = torch.arange(a.n_k, device=device)
+    mask = None
+    if a.causal is not None:
+        i = torch.arange(row0, row0 + rows, device=device)[:, None]
+        mask = j[None, :] <= i + a.causal_offset  # (rows, Nk)
+    if a.kv_lens is not None:
+        keep = (j[None, :] < a.kv_lens.to(device).long()[:, None])[:, None, None, :]  # (B, 1, 1, Nk)
+        mask = keep if mask is None else mask & keep
+    return mask
 
 
 def _block_lse_attention(q, k, v, a: AttnArgs, row0: int):
@@ -55,15 +60,17 @@ def attention_ref(
     layout: str = "bhnd",
     return_lse: bool = False,
     block_q: int | None = None,
+    kv_lens: torch.Tensor | None = None,
 ):
     """Attention in PyTorch math, in the dtype of the inputs; same contract as ``flashjvp.attention``.
 
-    Rows that see no key give ``o = 0`` and ``lse = -inf``. ``block_q`` processes the query rows in
+    Rows that see no key give ``o = 0`` and ``lse = -inf``. ``kv_lens`` (B,): keys
+    ``j >= kv_lens[b]`` are padding, seen by no query of batch element ``b``. ``block_q`` processes the query rows in
     blocks of that many, so memory stays O(block_q * Nk) per head instead of O(Nq * Nk).
     Returns ``o`` in the layout of ``q``, or ``(o, lse)`` with ``lse`` (B, Hq, Nq) float32.
     Differentiable in every mode (reverse, forward, vmap).
     """
-    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout)
+    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, kv_lens=kv_lens)
     qb, kb, vb = (_to_bhnd(x, layout) for x in (q, k, v))
     if a.groups > 1:
         kb = kb.repeat_interleave(a.groups, dim=1)
@@ -82,7 +89,7 @@ def attention_ref(
 
 def attention_jvp_ref(
     q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None, layout="bhnd",
-    return_lse=False, block_q=None,
+    return_lse=False, block_q=None, kv_lens=None,
 ):
     """``(o, to)`` (or ``(o, to, lse, mu)``) from ``torch.func.jvp`` of :func:`attention_ref`.
 
@@ -92,7 +99,7 @@ def attention_jvp_ref(
 
     def fn(q_, k_, v_):
         return attention_ref(q_, k_, v_, causal=causal, scale=scale, layout=layout,
-                             return_lse=True, block_q=block_q)
+                             return_lse=True, block_q=block_q, kv_lens=kv_lens)
 
     (o, lse), (to, mu) = torch.func.jvp(fn, (q, k, v), tangents)
     mu = torch.where(torch.isinf(lse), torch.zeros_like(mu), mu)
