@@ -231,6 +231,7 @@ def _ring_forward(q, k, v, tq, tk, tv, group, causal, scale):
     merged = {i: _MergedRows() for i in halves}
     kv = [x.contiguous() for x in (k, v, tk, tv) if x is not None]  # sent as they are
     present = [x is not None for x in (k, v, tk, tv)]
+    jvp = tq is not None or tk is not None or tv is not None
     for step in range(world):
         src = (rank - step) % world
         pending = _ring_step(kv, group) if step < world - 1 else None
@@ -238,7 +239,6 @@ def _ring_forward(q, k, v, tq, tk, tv, group, causal, scale):
         for i, j, diag in _ring_blocks(rank, src, world, causal):
             out = flashjvp.attention_jvp(_chunk(q, i), _chunk(bk, j), _chunk(bv, j), _chunk(tq, i), _chunk(btk, j),
                                          _chunk(btv, j), causal=diag, scale=scale, layout="bnhd", return_lse=True)
-            jvp = tq is not None or tk is not None or tv is not None
             merged[i].add(out[0], out[1] if jvp else None, out[2], out[3])
         if pending is not None:
             kv, reqs = pending
