@@ -83,16 +83,18 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> dict:
 _POISON = poisoning()
 
 
+def _poisoned(x: torch.Tensor) -> torch.Tensor:
+    return x.fill_(float("nan")) if _POISON else x
+
+
 def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """An output buffer the kernels overwrite completely (NaN-filled under FLASHJVP_POISON=1)."""
-    x = torch.empty(shape, dtype=dtype, device=device)
-    return x.fill_(float("nan")) if _POISON else x
+    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
 
 
 def buffer_like(x: torch.Tensor) -> torch.Tensor:
     """``new_buffer`` with ``x``'s shape, dtype and (dense) strides, as autograd expects for grads."""
-    y = torch.empty_like(x)
-    return y.fill_(float("nan")) if _POISON else y
+    return _poisoned(torch.empty_like(x))
 
 
 def out_shape(batch: int, heads: int, n: int, d: int, layout: str) -> tuple[int, int, int, int]:

@@ -31,7 +31,7 @@ from torch import Tensor
 from flashjvp._bwd import attn_bwd
 from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
-from flashjvp._launch import out_shape
+from flashjvp._launch import empty_out, lse_buffer
 from flashjvp._validate import AttnArgs, check_inputs
 
 
@@ -40,12 +40,12 @@ def _args(q: Tensor, k: Tensor, v: Tensor, causal: str | None, scale: float, lay
     return check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens)
 
 
-def _o_like(q: Tensor, a: AttnArgs) -> Tensor:
-    return q.new_empty(out_shape(a.batch, a.h_q, a.n_q, a.d_v, a.layout))
+def _o_like(q: Tensor, a: AttnArgs) -> Tensor:  # the launcher's own buffers, faked
+    return empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q)
 
 
 def _lse_like(q: Tensor, a: AttnArgs) -> Tensor:
-    return q.new_empty((a.batch, a.h_q, a.n_q), dtype=torch.float32)
+    return lse_buffer(a.batch, a.h_q, a.n_q, q.device)
 
 
 @torch.library.custom_op("flashjvp::fwd", mutates_args=(), device_types=("cuda", "cpu"))

@@ -23,6 +23,8 @@ import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 
 import flashjvp
+from flashjvp._bwd import attn_bwd
+from flashjvp._validate import check_inputs
 
 __all__ = ["ulysses_attention", "ulysses_attention_jvp", "ring_attention", "ring_attention_jvp", "zigzag_shard",
            "zigzag_unshard"]
@@ -261,9 +263,6 @@ def _ring_backward(do, q, k, v, o, lse, group, causal, scale):
     """Gradients of ring attention's ``o``: dQ stays, dK and dV travel around the ring with their
     keys and values and arrive back at their rank after a full turn. Each block's gradients come
     from the merged ``o`` and ``lse`` (the FlashAttention-2 backward is exact block by block)."""
-    from flashjvp._bwd import attn_bwd
-    from flashjvp._validate import check_inputs
-
     world, rank = _world(group), dist.get_rank(group)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     travel = [k.contiguous(), v.contiguous(), torch.zeros(k.shape, dtype=torch.float32, device=k.device),
