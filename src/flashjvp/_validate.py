@@ -32,6 +32,23 @@ class AttnArgs:
     layout: str
     # (B,) int32 valid keys per batch element (key padding), or None: keys j >= kv_lens[b] unseen
     kv_lens: torch.Tensor | None = field(default=None, compare=False)
+    # sliding window (left, right), -1 = unbounded on that side; None: no window
+    window: tuple[int, int] | None = None
+    # packed variable-length batch (attention_varlen), or None for the dense (B, ...) layouts
+    varlen: Varlen | None = field(default=None, compare=False)
+
+    @property
+    def window_left(self) -> int:
+        """Keys more than this many positions left of a query's diagonal are unseen (-1: none)."""
+        return -1 if self.window is None else self.window[0]
+
+    @property
+    def window_right(self) -> int:
+        """Keys more than this many positions right of a query's diagonal are unseen (-1: none;
+        causal attention is a right bound of 0)."""
+        if self.causal is not None:
+            return 0
+        return -1 if self.window is None else self.window[1]
 
     @property
     def groups(self) -> int:
@@ -41,6 +58,20 @@ class AttnArgs:
     def causal_offset(self) -> int:
         """With causal masking, query ``i`` sees key ``j`` iff ``j <= i + causal_offset``."""
         return self.n_k - self.n_q if self.causal == "bottom_right" else 0
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """A packed batch of ``len(cu_q) - 1`` sequences (flash-attn's varlen convention): sequence
+    ``b`` has query rows ``cu_q[b]:cu_q[b+1]`` of the (total_q, H, D) tensors and keys
+    ``cu_k[b]:cu_k[b+1]``; no sequence is longer than ``max_q`` / ``max_k``."""
+
+    cu_q: torch.Tensor  # (B + 1,) int32
+    cu_k: torch.Tensor  # (B + 1,) int32
+    max_q: int
+    max_k: int
+    total_q: int
+    total_k: int
 
 
 def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -84,8 +115,21 @@ def _check_kv_lens(kv_lens, batch: int, device) -> torch.Tensor | None:
     return kv_lens.to(torch.int32).contiguous()
 
 
+def _norm_window(window) -> tuple[int, int] | None:
+    """``(left, right)`` with -1 for an unbounded side, or None when both sides are unbounded."""
+    if window is None:
+        return None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window)):
+        raise TypeError(f"window: expected None or a pair of ints (left, right), got {window!r}")
+    left, right = int(window[0]), int(window[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window: expected sizes >= 0, or -1 for unbounded, got {(left, right)}")
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
 def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
-                 layout="bhnd", allow_float64: bool = True, kv_lens=None) -> AttnArgs:
+                 layout="bhnd", allow_float64: bool = True, kv_lens=None, window=None) -> AttnArgs:
     """Validate shapes, dtypes, devices and options; return the normalised sizes.
 
     Raises ``TypeError`` for wrong types/dtypes and ``ValueError`` for wrong values or shapes,
@@ -144,4 +188,57 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
             raise ValueError(f"{name}: expected device {x.device} (that of {name[1]}), "
                              f"got {t.device}")
     return AttnArgs(b, h_q, h_kv, n_q, n_k, d_qk, d_v, _norm_causal(causal),
-                    _norm_scale(scale, d_qk), layout, _check_kv_lens(kv_lens, b, q.device))
+                    _norm_scale(scale, d_qk), layout, _check_kv_lens(kv_lens, b, q.device),
+                    _norm_window(window))
+
+
+def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name}: expected an int32 torch.Tensor of shape (B + 1,), got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(f"{name}: expected shape (B + 1,) with B >= 1, got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
+    if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral) or max_len < 0:
+        raise TypeError(f"{max_name}: expected an int >= 0, got {max_len!r}")
+    if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return  # reading the values back would break the graph / the capture
+    host = cu.tolist()  # one device-to-host copy: a wrong offset would silently skip rows
+    lens = [e - s for s, e in zip(host, host[1:])]
+    if host[0] != 0 or host[-1] != total or min(lens) < 0:
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total} (the packed length), "
+                         f"got {host if len(host) <= 8 else host[:4] + ['...'] + host[-3:]}")
+    if max(lens) > max_len:
+        raise ValueError(f"{max_name}: expected at least the longest sequence, {max(lens)}, got {max_len}")
+
+
+def check_varlen(q, k, v, tq, tk, tv, cu_q, cu_k, max_q, max_k, *, causal=False, scale=None,
+                 window=None, allow_float64: bool = True) -> AttnArgs:
+    """Validate a packed batch (q (total_q, Hq, Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv),
+    int32 offsets ``cu_q``/``cu_k`` of shape (B + 1,)) and return its sizes as ``AttnArgs`` of the
+    (1, total, H, D) "bnhd" views, ``batch`` = B, ``n_q``/``n_k`` = the longest sequences."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("tq", tq), ("tk", tk), ("tv", tv)):
+        if x is None and name.startswith("t"):
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-d tensor (total, H, D) for packed sequences, "
+                             f"got shape {tuple(x.shape)}")
+    total_q, total_k = q.shape[0], k.shape[0]
+    if total_q < 1 or total_k < 1:
+        raise ValueError(f"q, k: expected packed lengths >= 1, got {total_q} and {total_k}")
+    views = [None if x is None else x.unsqueeze(0) for x in (q, k, v, tq, tk, tv)]
+    a = check_inputs(*views, causal=causal, scale=scale, layout="bnhd", allow_float64=allow_float64,
+                     window=window)
+    _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_q, "max_seqlen_q", q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_k, "max_seqlen_k", q.device)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_k: expected shape {tuple(cu_q.shape)} (that of cu_seqlens_q), "
+                         f"got {tuple(cu_k.shape)}")
+    batch = cu_q.shape[0] - 1
+    return AttnArgs(batch, a.h_q, a.h_kv, int(max_q), int(max_k), a.d_qk, a.d_v, a.causal, a.scale, "bnhd",
+                    None, a.window, Varlen(cu_q.contiguous(), cu_k.contiguous(), int(max_q), int(max_k),
+                                           total_q, total_k))
