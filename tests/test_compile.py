@@ -201,7 +201,7 @@ def test_opcheck(layout):
     """The operators' schemas, fake implementations, autograd registration and strides agree
     with their real implementations (``torch.library.opcheck``)."""
     q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 9, 13, 16, 16, layout, torch.float32)
-    opts = ("top_left", 0.25, layout, None)
+    opts = ("top_left", 0.25, layout, None, [], None, None, 0, 0)  # see _ops.options
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     torch.library.opcheck(attn_fwd_op, (*leaves, *opts))
     torch.library.opcheck(attn_fwd_jvp_op, (q, k, v, tq, None, tv, *opts))
@@ -212,9 +212,20 @@ def test_opcheck(layout):
     o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq.detach(), None, tv, *opts)
     cot = [torch.randn_like(x) for x in (o, o, lse, lse)]
     torch.library.opcheck(attn_bwd_jvp_op, (q, k, v, tq.detach(), None, tv, o, to, lse, mu, *cot, *opts))
-    padded = (*opts[:3], torch.tensor([7], device=DEVICE))  # key padding: 7 of 13 keys
+    padded = (*opts[:3], torch.tensor([7], device=DEVICE), [3, 2], *opts[5:])  # 7 of 13 keys, a window
     torch.library.opcheck(attn_fwd_op, (*leaves, *padded))
     torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq, None, tv, *padded))
+
+
+def test_opcheck_varlen():
+    """The operators on a packed batch: (1, total, H, D) views and the sequences' offsets."""
+    q, k, v, tq, tk, tv = (x[:1] for x in make_qkv(1, 2, 1, 12, 15, 16, 16, "bnhd", torch.float32))
+    cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 4, 9, 15], dtype=torch.int32, device=DEVICE)
+    opts = ("bottom_right", 0.25, "bnhd", None, [], cu_q, cu_k, 7, 6)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(attn_fwd_op, (*leaves, *opts))
+    torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq.requires_grad_(), tk, None, *opts))
 
 
 def test_fake_shapes_without_running():
@@ -225,8 +236,9 @@ def test_fake_shapes_without_running():
         q = torch.empty(2, 7, 4, 40, dtype=torch.bfloat16, device=DEVICE)  # bnhd
         k = torch.empty(2, 9, 2, 40, dtype=torch.bfloat16, device=DEVICE)
         v = torch.empty(2, 9, 2, 24, dtype=torch.bfloat16, device=DEVICE)
-        o, to, lse, mu = attn_fwd_jvp_op(q, k, v, q, None, None, None, 0.5, "bnhd", None)
-        dq, dk, dv = attn_bwd_op(o, q, k, v, o, lse, None, 0.5, "bnhd", None)
+        opts = (None, 0.5, "bnhd", None, [], None, None, 0, 0)
+        o, to, lse, mu = attn_fwd_jvp_op(q, k, v, q, None, None, *opts)
+        dq, dk, dv = attn_bwd_op(o, q, k, v, o, lse, *opts)
     assert o.shape == to.shape == (2, 7, 4, 24) and o.is_contiguous() and o.dtype == torch.bfloat16
     assert lse.shape == mu.shape == (2, 4, 7) and lse.dtype == mu.dtype == torch.float32
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)

@@ -19,7 +19,7 @@ import torch
 from flashjvp._bwd import attn_bwd
 from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
-from flashjvp._launch import empty_out, lse_buffer
+from flashjvp._launch import out_buffer, stat_buffer
 from flashjvp._validate import AttnArgs
 
 
@@ -29,8 +29,7 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, a: AttnArgs, defer: bool):
         if defer:  # jvp() follows and fills both
-            lse = lse_buffer(a.batch, a.h_q, a.n_q, q.device)
-            return empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q), lse
+            return out_buffer(a, q), stat_buffer(a, q.device)
         o, _, lse, _ = attn_fwd(q, k, v, None, None, None, a)
         return o, lse
 

@@ -13,12 +13,33 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashjvp._jit import LOG2E, LOG2E_K, aligned, aligned3, key_range, load_tile
-from flashjvp._launch import buffer_like, dot_precision, launch_device, launch_tuned, strides_bhnd, vector_align
+from flashjvp._jit import (
+    LOG2E,
+    LOG2E_K,
+    aligned,
+    aligned3,
+    diagonals,
+    key_blocks,
+    load_tile,
+    query_blocks,
+    sequence,
+    visible,
+)
+from flashjvp._launch import (
+    buffer_like,
+    dot_precision,
+    launch_device,
+    launch_tuned,
+    mask_args,
+    seq_strides,
+    seq_tensors,
+    stat_strides,
+    vector_align,
+)
 from flashjvp._policy import BWD_TILES, head_blocks, length_bucket, prune_bwd_configs, tile_configs
 from flashjvp._validate import AttnArgs
 
-_BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "DOT_PREC"]
+_BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "DOT_PREC"]
 _EVEN_D = {
     "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
     "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
@@ -36,22 +57,27 @@ def _lse_log2(LSE, idx, mask):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, s_qn, s_don,
-    keys, kvalid, mask_dqk, mask_dv, lo, hi, N_Q, causal_off, scale_log2,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
-    DOT_PREC: tl.constexpr, KEY_MASK: tl.constexpr,
+    keys, kvalid, mask_dqk, mask_dv, lo, hi, n_q, off_r, off_l, scale_log2,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
+    EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, KEY_MASK: tl.constexpr,
 ):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi); MASKED applies causality,
-    KEY_MASK the padding keys (``kvalid`` False)."""
+    """Accumulate dK, dV of one key block over query blocks [lo, hi); MASKED applies the diagonal
+    bounds (``_jit.visible``, transposed), KEY_MASK the padding keys (``kvalid`` False)."""
     offs_mb = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_mb  # (BLOCK_M,)
-        rvalid = rows < N_Q
+        rvalid = rows < n_q
         q = load_tile(q_ptrs + start_m * s_qn, rvalid, mask_dqk, True, not EVEN_DQK)  # (BLOCK_M, BLOCK_DQK)
         lse2 = _lse_log2(lse_ptr, rows, rvalid)  # (BLOCK_M,)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # (BLOCK_N, BLOCK_M): S^T
         pt = tl.math.exp2(st - lse2[None, :])  # (BLOCK_N, BLOCK_M): P^T
         if MASKED:
-            pt = tl.where(keys[:, None] <= rows[None, :] + causal_off, pt, 0.0)
+            vis = keys[:, None] >= 0  # (BLOCK_N, 1)
+            if RIGHT:
+                vis = vis & (keys[:, None] <= rows[None, :] + off_r)
+            if LEFT:
+                vis = vis & (keys[:, None] >= rows[None, :] + off_l)
+            pt = tl.where(vis, pt, 0.0)
         if KEY_MASK:
             pt = tl.where(kvalid[:, None], pt, 0.0)
         do = load_tile(do_ptrs + start_m * s_don, rvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_M, BLOCK_DV)
@@ -68,12 +94,12 @@ def _dkdv_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KV_LENS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KV_LENS, CU_Q, CU_K,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-    s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
-    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, s_lb, s_lh,
+    H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
+    RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KV_LENS: tl.constexpr,
 ):
@@ -89,12 +115,22 @@ def _attn_bwd_dkdv_kernel(
     s_dvb, s_dvh, s_dvn = aligned3(s_dvb, s_dvh, s_dvn, ALIGN)
     D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     n0 = pid_n * BLOCK_N
+    # this batch element's rows and keys (packed sequences: from the offsets; past n_kv: padding,
+    # whose gradients are zero)
+    q0, n_q, k0, n_k, n_kv = sequence(CU_Q, CU_K, KV_LENS, b, N_Q, N_K, VARLEN, HAS_KV_LENS)
+    if VARLEN:
+        if n0 >= n_k:  # the grid covers the longest sequence
+            return
+        Q += q0 * s_qn
+        DO += q0 * s_don
+        K += k0 * s_kn
+        V += k0 * s_vn
+        DK += k0 * s_dkn
+        DV += k0 * s_dvn
+    off_r, off_l = diagonals(n_q, n_k, bottom_right, win_r, win_l)
     keys = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    kin = keys < N_K  # (BLOCK_N,) keys of the tensor: all get a gradient
-    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding, with zero gradients
-    if HAS_KV_LENS:
-        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
-    kvalid = keys < n_k
+    kin = keys < n_k  # (BLOCK_N,) keys of this batch element: all get a gradient
+    kvalid = keys < n_kv
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dqk = offs_dqk < D_QK
@@ -106,29 +142,27 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-    # Query rows that see some key of this block start at n0 - off; from full_start on, every
-    # row sees every key of the block (no causal mask needed).
-    m_end = tl.cdiv(N_Q, BLOCK_M) * BLOCK_M
-    if HAS_KV_LENS:
-        m_end = tl.where(n0 < n_k, m_end, 0)  # a block of padding only: no query block to visit
-    lo = 0
-    full_start = 0
-    if CAUSAL:
-        lo = tl.minimum((tl.maximum(n0 - causal_off, 0) // BLOCK_M) * BLOCK_M, m_end)
-        full_start = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - causal_off, 0), BLOCK_M) * BLOCK_M
-        full_start = tl.minimum(tl.maximum(full_start, lo), m_end)
+    # Query blocks [lo, hi) see some key of this block; [full_lo, full_hi) see all of them.
+    lo, full_lo, full_hi, hi = query_blocks(n0, n_q, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+    if HAS_KV_LENS:  # a block of padding only: no query block to visit
+        hi = tl.where(n0 < n_kv, hi, 0)
+        lo, full_lo, full_hi = tl.minimum(lo, hi), tl.minimum(full_lo, hi), tl.minimum(full_hi, hi)
     for g in range(GROUPS):  # query heads of this kv head, summed in a fixed order
         h = h_kv * GROUPS + g
         q_ptrs = Q + b * s_qb + h * s_qh + tl.arange(0, BLOCK_M)[:, None] * s_qn + offs_dqk[None, :] * s_qd
         do_ptrs = DO + b * s_dob + h * s_doh + tl.arange(0, BLOCK_M)[:, None] * s_don + offs_dv[None, :] * s_dod
-        row_base = (b * H_Q + h) * N_Q
-        if CAUSAL:
+        row_base = b * s_lb + h * s_lh + q0
+        if RIGHT:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
-                                 s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, lo, full_start, N_Q,
-                                 causal_off, scale_log2, BLOCK_M, True, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+                                 s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, lo, full_lo, n_q, off_r, off_l,
+                                 scale_log2, BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
-                             s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, full_start, m_end, N_Q,
-                             causal_off, scale_log2, BLOCK_M, False, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+                             s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, full_lo, full_hi, n_q, off_r, off_l,
+                             scale_log2, BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+        if LEFT:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
+                                 s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, full_hi, hi, n_q, off_r, off_l,
+                                 scale_log2, BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
     dk = dk * scale
     tl.store(DK + b * s_dkb + h_kv * s_dkh + keys[:, None] * s_dkn + offs_dqk[None, :] * s_dkd,
              dk.to(DK.dtype.element_ty), mask=kin[:, None] & mask_dqk[None, :])
@@ -139,22 +173,19 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-    lo, hi, N_K, causal_off, scale_log2,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    lo, hi, n_kv, off_r, off_l, scale_log2,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n  # (BLOCK_N,)
-        kvalid = keys < N_K
+        kvalid = keys < n_kv
         k = load_tile(k_ptrs + start_n * s_kn, kvalid, mask_dqk, MASKED, not EVEN_DQK)  # (BLOCK_N, BLOCK_DQK)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            visible = kvalid[None, :]
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= rows[:, None] + causal_off)
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT), p, 0.0)
         vt = load_tile(v_ptrs + start_n * s_vn, mask_dv, kvalid, not EVEN_DV, MASKED)  # (BLOCK_DV, BLOCK_N): V^T
         dp = tl.dot(do, vt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
@@ -167,12 +198,12 @@ def _dq_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, KV_LENS,
+    Q, K, V, O, DO, LSE, DELTA, DQ, KV_LENS, CU_Q, CU_K,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
-    s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd,
-    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd, s_lb, s_lh,
+    H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
+    RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KV_LENS: tl.constexpr,
 ):
@@ -189,8 +220,19 @@ def _attn_bwd_dq_kernel(
     s_dqb, s_dqh, s_dqn = aligned3(s_dqb, s_dqh, s_dqn, ALIGN)
     D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     m0 = pid_m * BLOCK_M
+    q0, n_q, k0, n_k, n_kv = sequence(CU_Q, CU_K, KV_LENS, b, N_Q, N_K, VARLEN, HAS_KV_LENS)
+    if VARLEN:
+        if m0 >= n_q:  # the grid covers the longest sequence
+            return
+        Q += q0 * s_qn
+        DO += q0 * s_don
+        O += q0 * s_on
+        DQ += q0 * s_dqn
+        K += k0 * s_kn
+        V += k0 * s_vn
+    off_r, off_l = diagonals(n_q, n_k, bottom_right, win_r, win_l)
     rows = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    rvalid = rows < N_Q
+    rvalid = rows < n_q
     offs_n = tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -202,7 +244,7 @@ def _attn_bwd_dq_kernel(
                    rvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_M, BLOCK_DV)
     o = load_tile(O + b * s_ob + h * s_oh + rows[:, None] * s_on + offs_dv[None, :] * s_od,
                   rvalid, mask_dv, True, not EVEN_DV)  # (BLOCK_M, BLOCK_DV)
-    idx = (b * H_Q + h) * N_Q + rows
+    idx = b * s_lb + h * s_lh + q0 + rows
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,) rowsum(dO * O)
     tl.store(DELTA + idx, delta, mask=rvalid)  # read by the dK/dV kernel launched next
     lse2 = _lse_log2(LSE, idx, rvalid)  # (BLOCK_M,)
@@ -210,15 +252,16 @@ def _attn_bwd_dq_kernel(
     v_ptrs = V + b * s_vb + h_kv * s_vh + offs_dv[:, None] * s_vd + offs_n[None, :] * s_vn
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
 
-    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding
-    if HAS_KV_LENS:
-        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
-    full_end, hi = key_range(m0, n_k, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk,
-                   mask_dv, 0, full_end, n_k, causal_off, scale_log2, BLOCK_N, False, CAUSAL,
+    lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+    if LEFT:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                       lo, full_lo, n_kv, off_r, off_l, scale_log2, BLOCK_N, True, RIGHT, LEFT,
+                       EVEN_DQK, EVEN_DV, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                   full_lo, full_hi, n_kv, off_r, off_l, scale_log2, BLOCK_N, False, RIGHT, LEFT,
                    EVEN_DQK, EVEN_DV, DOT_PREC)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk,
-                   mask_dv, full_end, hi, n_k, causal_off, scale_log2, BLOCK_N, True, CAUSAL,
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                   full_hi, hi, n_kv, off_r, off_l, scale_log2, BLOCK_N, True, RIGHT, LEFT,
                    EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = dq * scale
     tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqn + offs_dqk[None, :] * s_dqd,
@@ -231,18 +274,19 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     dq, dk, dv = buffer_like(q), buffer_like(k), buffer_like(v)
     delta = buffer_like(lse)
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
-    sq, sk, sv, so, sdo, sdq, sdk, sdv = (strides_bhnd(x, a.layout) for x in (q, k, v, o, do, dq, dk, dv))
+    sq, sk, sv, so, sdo, sdq, sdk, sdv = (seq_strides(x, a) for x in (q, k, v, o, do, dq, dk, dv))
     align = vector_align((sq, sk, sv, so, sdo, sdq, sdk, sdv), a.d_qk, a.d_v)
+    masks, mask_flags = mask_args(a)
     common = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk,
-                  D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, CAUSAL=a.causal is not None,
+                  D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags,
                   DOT_PREC=dot_precision(q.dtype), ALIGN=align, HAS_KV_LENS=a.kv_lens is not None)
-    kv_lens = lse if a.kv_lens is None else a.kv_lens
-    sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale)
+    seqs = seq_tensors(a, lse)
+    sizes = (*stat_strides(a), a.h_q, a.groups, a.n_q, a.n_k, *masks, a.scale * LOG2E, a.scale)
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     with launch_device(q):
-        launch_tuned(_attn_bwd_dq_kernel, grid_q, q, k, v, o, do, lse, delta, dq, kv_lens,
+        launch_tuned(_attn_bwd_dq_kernel, grid_q, q, k, v, o, do, lse, delta, dq, *seqs,
                      *sq, *sk, *sv, *so, *sdo, *sdq, *sizes, **common)
-        launch_tuned(_attn_bwd_dkdv_kernel, grid_kv, q, k, v, do, lse, delta, dk, dv, kv_lens,
+        launch_tuned(_attn_bwd_dkdv_kernel, grid_kv, q, k, v, do, lse, delta, dk, dv, *seqs,
                      *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
     return dq, dk, dv

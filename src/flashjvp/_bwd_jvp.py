@@ -24,12 +24,12 @@ import triton
 import triton.language as tl
 
 from flashjvp._bwd import _lse_log2
-from flashjvp._jit import LOG2E
-from flashjvp._launch import dot_precision, launch_device, launch_tuned, new_buffer
+from flashjvp._jit import LOG2E, diagonals, key_blocks, query_blocks, sequence, visible
+from flashjvp._launch import dot_precision, launch_device, launch_tuned, mask_args, new_buffer, seq_tensors
 from flashjvp._policy import BWD_JVP_TILES, head_blocks, length_bucket, prune_bwd_jvp_configs, tile_configs
 from flashjvp._validate import AttnArgs
 
-_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "DOT_PREC",
+_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "DOT_PREC",
         "HAS_TQ", "HAS_TK", "HAS_TV", "HAS_DO", "HAS_DTO"]
 
 
@@ -41,13 +41,10 @@ def _tile(base, rows, cols, n_rows, n_cols, row_stride):
 
 
 @triton.jit
-def _probs(s, lse2, rows, keys, N_K, causal_off, CAUSAL: tl.constexpr):
+def _probs(s, lse2, rows, keys, n_kv, off_r, off_l, RIGHT: tl.constexpr, LEFT: tl.constexpr):
     """P (rows x keys) from logits ``s`` in log2 units and the rows' lse2; 0 where not visible."""
     p = tl.math.exp2(s - lse2[:, None])
-    visible = (keys < N_K)[None, :]
-    if CAUSAL:
-        visible = visible & (keys[None, :] <= rows[:, None] + causal_off)
-    return tl.where(visible, p, 0.0)
+    return tl.where(visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT), p, 0.0)
 
 
 @triton.jit
@@ -86,9 +83,10 @@ def _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv,
                  prune_configs_by={"early_config_prune": prune_bwd_jvp_configs})
 @triton.jit
 def _attn_bwd_jvp_dq_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ, KV_LENS,
-    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
-    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ, KV_LENS, CU_Q, CU_K,
+    H_Q, GROUPS, N_Q, N_K, NQ_T, NK_T, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
     HAS_DTO: tl.constexpr, HAS_KV_LENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -96,33 +94,44 @@ def _attn_bwd_jvp_dq_kernel(
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
+    q0, n_q, k0, n_k, n_kv = sequence(CU_Q, CU_K, KV_LENS, b, N_Q, N_K, VARLEN, HAS_KV_LENS)
+    m0 = pid_m * BLOCK_M
+    if VARLEN:
+        if m0 >= n_q:  # the grid covers the longest sequence
+            return
+    off_r, off_l = diagonals(n_q, n_k, bottom_right, win_r, win_l)
+    bt = b if not VARLEN else b * 0  # batch index in the tensors (packed: one (1, H, total, D))
     h_kv = h // GROUPS
-    bh = b * H_Q + h  # (batch, query head)
-    bkv = b * (H_Q // GROUPS) + h_kv  # (batch, kv head)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    rvalid = rows < N_Q
+    bh = bt * H_Q + h  # (batch, query head)
+    bkv = bt * (H_Q // GROUPS) + h_kv  # (batch, kv head)
+    q_base = (bh * NQ_T + q0) * D_QK  # row 0 of this sequence and head in q-shaped tensors
+    o_base = (bh * NQ_T + q0) * D_V
+    k_base = (bkv * NK_T + k0) * D_QK
+    v_base = (bkv * NK_T + k0) * D_V
+    rows = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    rvalid = rows < n_q
     cqk = tl.arange(0, BLOCK_DQK)
     cv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    q = _tile(Q + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+    q = _tile(Q + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
     tq = q
     if HAS_TQ:
-        tq = _tile(TQ + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
-    o = _tile(O + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
+        tq = _tile(TQ + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+    o = _tile(O + o_base, rows, cv, n_q, D_V, D_V).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
     do = o
     dto = o
-    idx = bh * N_Q + rows  # (BLOCK_M,) flat row index in (B, H, N_Q)
+    idx = bh * NQ_T + q0 + rows  # (BLOCK_M,) flat row index in the (B, H, N) statistics
     mu = tl.load(MU + idx, mask=rvalid, other=0.0)
     dmu = tl.load(DMU + idx, mask=rvalid, other=0.0)
     dlse = tl.load(DLSE + idx, mask=rvalid, other=0.0)
     delta = tl.zeros([BLOCK_M], tl.float32)
     c = tl.zeros([BLOCK_M], tl.float32)
     if HAS_DO:
-        do = _tile(DO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+        do = _tile(DO + o_base, rows, cv, n_q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
         delta += tl.sum(do.to(tl.float32) * o, 1)
     if HAS_DTO:
-        dto = _tile(DTO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
-        to = _tile(TO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V).to(tl.float32)
+        dto = _tile(DTO + o_base, rows, cv, n_q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+        to = _tile(TO + o_base, rows, cv, n_q, D_V, D_V).to(tl.float32)
         delta += tl.sum(dto.to(tl.float32) * to, 1)
         c = tl.sum(dto.to(tl.float32) * o, 1)
     g = dmu - c  # (BLOCK_M,)
@@ -134,25 +143,20 @@ def _attn_bwd_jvp_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
     dtq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
-    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding
-    if HAS_KV_LENS:
-        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
-    hi = n_k
-    if CAUSAL:
-        hi = tl.minimum(n_k, tl.maximum(pid_m * BLOCK_M + BLOCK_M + causal_off, 0))
-    for start_n in range(0, hi, BLOCK_N):
+    lo, _, _, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)  # every block masked
+    for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n  # (BLOCK_N,)
-        k = _tile(K + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
-        v = _tile(V + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+        k = _tile(K + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+        v = _tile(V + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
         tk = k
         tv = v
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
-        p = _probs(s, lse2, rows, keys, n_k, causal_off, CAUSAL)
+        p = _probs(s, lse2, rows, keys, n_kv, off_r, off_l, RIGHT, LEFT)
         if HAS_TK:
-            tk = _tile(TK + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+            tk = _tile(TK + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
         ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_TV:
-            tv = _tile(TV + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+            tv = _tile(TV + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
         ds, dts = _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv, HAS_TS, HAS_TV, HAS_DO, HAS_DTO,
                              DOT_PREC)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -161,7 +165,7 @@ def _attn_bwd_jvp_dq_kernel(
         if HAS_TQ:
             dtq = tl.dot(dts.to(k.dtype), k, dtq, input_precision=DOT_PREC)
     omask = rvalid[:, None] & (cqk < D_QK)[None, :]
-    out = bh * N_Q * D_QK + rows[:, None] * D_QK + cqk[None, :]
+    out = q_base + rows[:, None] * D_QK + cqk[None, :]
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=omask)
     if HAS_TQ:
         tl.store(DTQ + out, (dtq * scale).to(DTQ.dtype.element_ty), mask=omask)
@@ -171,9 +175,10 @@ def _attn_bwd_jvp_dq_kernel(
                  prune_configs_by={"early_config_prune": prune_bwd_jvp_configs})
 @triton.jit
 def _attn_bwd_jvp_dkdv_kernel(
-    Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV, KV_LENS,
-    H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
-    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV, KV_LENS, CU_Q, CU_K,
+    H_Q, GROUPS, N_Q, N_K, NQ_T, NK_T, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
+    D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
     HAS_DTO: tl.constexpr, HAS_KV_LENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -181,43 +186,50 @@ def _attn_bwd_jvp_dkdv_kernel(
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    bkv = b * (H_Q // GROUPS) + h_kv
-    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    q0, n_q, k0, n_k, n_kv = sequence(CU_Q, CU_K, KV_LENS, b, N_Q, N_K, VARLEN, HAS_KV_LENS)
+    n0 = pid_n * BLOCK_N
+    if VARLEN:
+        if n0 >= n_k:  # the grid covers the longest sequence
+            return
+    off_r, off_l = diagonals(n_q, n_k, bottom_right, win_r, win_l)
+    bt = b if not VARLEN else b * 0  # batch index in the tensors (packed: one (1, H, total, D))
+    bkv = bt * (H_Q // GROUPS) + h_kv
+    k_base = (bkv * NK_T + k0) * D_QK  # key 0 of this sequence and kv head in k-shaped tensors
+    v_base = (bkv * NK_T + k0) * D_V
+    keys = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     cqk = tl.arange(0, BLOCK_DQK)
     cv = tl.arange(0, BLOCK_DV)
     offs_m = tl.arange(0, BLOCK_M)
-    k = _tile(K + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
-    v = _tile(V + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+    k = _tile(K + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+    v = _tile(V + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
     tk = k
     tv = v
     if HAS_TK:
-        tk = _tile(TK + bkv * N_K * D_QK, keys, cqk, N_K, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+        tk = _tile(TK + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
     if HAS_TV:
-        tv = _tile(TV + bkv * N_K * D_V, keys, cv, N_K, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+        tv = _tile(TV + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dtk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     dtv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding, with zero gradients
-    if HAS_KV_LENS:
-        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
-    lo = 0
-    if CAUSAL:  # query rows that see some key of this block
-        lo = (tl.maximum(pid_n * BLOCK_N - causal_off, 0) // BLOCK_M) * BLOCK_M
-    lo = tl.where(pid_n * BLOCK_N < n_k, lo, N_Q)  # a block of padding only: nothing to visit
+    # query blocks that see some key of this block (keys of padding only: none), every one masked
+    lo, _, _, hi = query_blocks(n0, n_q, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+    hi = tl.where(n0 < n_kv, hi, 0)
     for gi in range(GROUPS):  # the query heads of this kv head, summed in a fixed order
-        bh = b * H_Q + h_kv * GROUPS + gi
-        for start_m in range(lo, N_Q, BLOCK_M):
+        bh = bt * H_Q + h_kv * GROUPS + gi
+        q_base = (bh * NQ_T + q0) * D_QK
+        o_base = (bh * NQ_T + q0) * D_V
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m  # (BLOCK_M,)
-            rvalid = rows < N_Q
-            idx = bh * N_Q + rows
-            q = _tile(Q + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+            rvalid = rows < n_q
+            idx = bh * NQ_T + q0 + rows
+            q = _tile(Q + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
             lse2 = _lse_log2(LSE, idx, rvalid)  # (BLOCK_M,)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
-            p = _probs(s, lse2, rows, keys, n_k, causal_off, CAUSAL)
+            p = _probs(s, lse2, rows, keys, n_kv, off_r, off_l, RIGHT, LEFT)
             tq = q
             if HAS_TQ:
-                tq = _tile(TQ + bh * N_Q * D_QK, rows, cqk, N_Q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+                tq = _tile(TQ + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
             ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
             mu = tl.load(MU + idx, mask=rvalid, other=0.0)
             g = tl.load(G + idx, mask=rvalid, other=0.0)
@@ -226,10 +238,10 @@ def _attn_bwd_jvp_dkdv_kernel(
             do = q
             dto = q
             if HAS_DO:
-                do = _tile(DO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+                do = _tile(DO + o_base, rows, cv, n_q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
                 dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PREC)
             if HAS_DTO:
-                dto = _tile(DTO + bh * N_Q * D_V, rows, cv, N_Q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+                dto = _tile(DTO + o_base, rows, cv, n_q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
                 if HAS_TS:
                     tp = p * (ts - mu[:, None])  # (BLOCK_M, BLOCK_N): tangent of P
                     dv = tl.dot(tl.trans(tp).to(dto.dtype), dto, dv, input_precision=DOT_PREC)
@@ -242,9 +254,9 @@ def _attn_bwd_jvp_dkdv_kernel(
                 dk = tl.dot(tl.trans(dts).to(tq.dtype), tq, dk, input_precision=DOT_PREC)
             if HAS_TK:
                 dtk = tl.dot(tl.trans(dts).to(q.dtype), q, dtk, input_precision=DOT_PREC)
-    kmask = (keys < N_K)[:, None]
-    out_k = bkv * N_K * D_QK + keys[:, None] * D_QK + cqk[None, :]
-    out_v = bkv * N_K * D_V + keys[:, None] * D_V + cv[None, :]
+    kmask = (keys < n_k)[:, None]  # padding keys too: their gradients are zero
+    out_k = k_base + keys[:, None] * D_QK + cqk[None, :]
+    out_v = v_base + keys[:, None] * D_V + cv[None, :]
     tl.store(DK + out_k, (dk * scale).to(DK.dtype.element_ty), mask=kmask & (cqk < D_QK)[None, :])
     tl.store(DV + out_v, dv.to(DV.dtype.element_ty), mask=kmask & (cv < D_V)[None, :])
     if HAS_TK:
@@ -281,20 +293,22 @@ def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: Att
     dtq, dtk, dtv = (None if t is None else new_buffer(t.shape, t.dtype, t.device) for t in (tq, tk, tv))
     delta, g = new_buffer(lse.shape, torch.float32, lse.device), new_buffer(lse.shape, torch.float32, lse.device)
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
+    masks, mask_flags = mask_args(a)
     flags = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk, D_V=a.d_v,
-                 BLOCK_DQK=bdqk, BLOCK_DV=bdv, CAUSAL=a.causal is not None, DOT_PREC=dot_precision(q.dtype),
+                 BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags, DOT_PREC=dot_precision(q.dtype),
                  HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
                  HAS_DO=do is not None, HAS_DTO=dto is not None, HAS_KV_LENS=a.kv_lens is not None)
-    kv_lens = lse if a.kv_lens is None else a.kv_lens
-    sizes = (a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale)
+    seqs = seq_tensors(a, lse)
+    n_t = (a.n_q, a.n_k) if a.varlen is None else (a.varlen.total_q, a.varlen.total_k)  # rows per (b, h)
+    sizes = (a.h_q, a.groups, a.n_q, a.n_k, *n_t, *masks, a.scale * LOG2E, a.scale)
     alt = lambda x, y: y if x is None else x  # noqa: E731  (a tensor the kernel never reads)
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(_attn_bwd_jvp_dq_kernel, grid_q, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v), o, to,
-                     alt(do, o), alt(dto, o), lse, mu, dlse, dmu, delta, g, dq, alt(dtq, dq), kv_lens, *sizes,
+                     alt(do, o), alt(dto, o), lse, mu, dlse, dmu, delta, g, dq, alt(dtq, dq), *seqs, *sizes,
                      **flags)
         launch_tuned(_attn_bwd_jvp_dkdv_kernel, grid_kv, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v),
                      alt(do, o), alt(dto, o), lse, mu, dlse, delta, g, dk, dv, alt(dtk, dk), alt(dtv, dv),
-                     kv_lens, *sizes, **flags)
+                     *seqs, *sizes, **flags)
     return tuple(_in_layout(x, L) for x in (dq, dk, dv, dtq, dtk, dtv))

@@ -20,14 +20,18 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashjvp._jit import LN2_K, LOG2E, aligned, aligned3, key_range, load_tile
+from flashjvp._jit import LN2_K, LOG2E, aligned, aligned3, diagonals, key_blocks, load_tile, sequence, visible
 from flashjvp._launch import (
     dot_precision,
-    empty_out,
     ensure_tma_allocator,
     launch_device,
     launch_tuned,
-    lse_buffer,
+    mask_args,
+    out_buffer,
+    seq_strides,
+    seq_tensors,
+    stat_buffer,
+    stat_strides,
     strides_bhnd,
     vector_align,
 )
@@ -117,15 +121,16 @@ def _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s, 
 def _fwd_inner(
     acc_o, acc_t, m_i, l_i, r_i, q, tq,
     k_src, v_src, tk_src, tv_src, stride_kn, stride_vn, stride_tkn, stride_tvn,
-    rows, offs_n, mask_dqk, mask_dv, lo, hi, N_K, diag, scale_log2, scale, b, h_kv,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    rows, offs_n, mask_dqk, mask_dv, lo, hi, n_kv, off_r, off_l, scale_log2, scale, b, h_kv,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """Fold key blocks [lo, hi) into the running state; MASKED blocks apply bounds/causality.
-    With TMA the K/V sources are host-made tensor descriptors read at (``b``, ``h_kv``; zero-filled
-    out of bounds), else pointers. Query rows are ``rows`` (within the block) + ``diag`` - causal_off."""
+    """Fold key blocks [lo, hi) into the running state; MASKED blocks apply the key count
+    ``n_kv`` and the diagonal bounds (``_jit.visible``) to the query rows ``rows``. With TMA the
+    K/V sources are host-made tensor descriptors read at (``b``, ``h_kv``; zero-filled out of
+    bounds), else pointers."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     # tS is issued right after S, so that the MMA of E.V overlaps the E * tS arithmetic (Triton
     # waits for a dot at once unless it only feeds a loop-carried accumulator). Not for 16-wide
@@ -133,7 +138,7 @@ def _fwd_inner(
     EARLY_TS: tl.constexpr = q.shape[1] >= 32
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n  # (BLOCK_N,)
-        kvalid = keys < N_K  # (BLOCK_N,)
+        kvalid = keys < n_kv  # (BLOCK_N,)
         k = _load_kv(k_src, start_n, stride_kn, mask_dqk, kvalid, b, h_kv, not EVEN_DQK, MASKED,
                      TMA, True)  # (BLOCK_DQK, BLOCK_N), K transposed
         s = tl.dot(q, k, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N), unscaled logits
@@ -141,10 +146,7 @@ def _fwd_inner(
             ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s, b, h_kv,
                                  MASKED, EVEN_DQK, HAS_TQ, HAS_TK, DOT_PREC, TMA)
         if MASKED:
-            visible = kvalid[None, :]  # (1, BLOCK_N)
-            if CAUSAL:
-                visible = visible & (keys[None, :] <= rows[:, None] + diag)  # (BLOCK_M, BLOCK_N)
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # (BLOCK_M,), log2 units (scale > 0)
         m_use = m_new
         if MASKED:
@@ -183,8 +185,8 @@ def _lse(m_i, l_i):
     return tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
 
 
-_FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "HAS_TQ", "HAS_TK", "HAS_TV",
-            "DOT_PREC", "TMA", "SPLIT"]
+_FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN",
+            "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"]
 
 
 @triton.autotune(configs=tile_configs(FWD_TILES), key=_FWD_KEY,
@@ -195,13 +197,14 @@ _FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "CAUSAL", "HAS_
 })
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP, KV_LENS,
+    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP, KV_LENS, CU_Q, CU_K,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
-    s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod,
-    BATCH, H_Q, GROUPS, N_Q, N_K, causal_off, scale_log2, scale, SLOTS, N_Q_BUCKET, N_K_BUCKET,
+    s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod, s_lb, s_lh,
+    BATCH, H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, SLOTS, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    CAUSAL: tl.constexpr, KEY_TAIL: tl.constexpr, HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
+    RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, KEY_TAIL: tl.constexpr,
+    HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr,
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_KV_LENS: tl.constexpr,
@@ -232,21 +235,35 @@ def _attn_fwd_kernel(
     s_tob, s_toh, s_ton = aligned3(s_tob, s_toh, s_ton, ALIGN)
     D_QK, D_V = aligned(D_QK, ALIGN), aligned(D_V, ALIGN)
     m0 = pid_m * BLOCK_M
+    # this batch element's rows and keys (packed sequences: from the offsets; past n_kv: padding)
+    q0, n_q, k0, n_k, n_kv = sequence(CU_Q, CU_K, KV_LENS, b, N_Q, N_K, VARLEN, HAS_KV_LENS)
+    if VARLEN:  # pointer path only (TMA descriptors span the whole packed tensor)
+        if m0 >= n_q:  # the grid covers the longest sequence
+            return
+        Q += q0 * s_qn
+        TQ += q0 * s_tqn
+        O += q0 * s_on
+        TO += q0 * s_ton
+        K += k0 * s_kn
+        TK += k0 * s_tkn
+        V += k0 * s_vn
+        TV += k0 * s_tvn
+    off_r, off_l = diagonals(n_q, n_k, bottom_right, win_r, win_l)
     rows = tl.arange(0, BLOCK_M)  # (BLOCK_M,) rows within the block
     offs_m = m0 + rows  # (BLOCK_M,) query rows
     offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,) key offsets within a block
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    mask_m = offs_m < N_Q
+    mask_m = offs_m < n_q
     mask_dqk = offs_dqk < D_QK
     mask_dv = offs_dv < D_V
 
     if TMA:
         # q and tq through descriptors built here, K..TV through host-made 4-D ones (_set_tma_boxes)
-        q = _q_tile(Q + b * s_qb + h * s_qh, N_Q, D_QK, s_qn, m0, BLOCK_M, BLOCK_DQK)  # (BLOCK_M, BLOCK_DQK)
+        q = _q_tile(Q + b * s_qb + h * s_qh, n_q, D_QK, s_qn, m0, BLOCK_M, BLOCK_DQK)  # (BLOCK_M, BLOCK_DQK)
         tq = q
         if HAS_TQ:
-            tq = _q_tile(TQ + b * s_tqb + h * s_tqh, N_Q, D_QK, s_tqn, m0, BLOCK_M, BLOCK_DQK)  # (BLOCK_M, BLOCK_DQK)
+            tq = _q_tile(TQ + b * s_tqb + h * s_tqh, n_q, D_QK, s_tqn, m0, BLOCK_M, BLOCK_DQK)  # (BLOCK_M, BLOCK_DQK)
         k_src, tk_src, v_src, tv_src = K, TK, V, TV
     else:
         qmask = mask_m[:, None] & mask_dqk[None, :]
@@ -268,29 +285,33 @@ def _attn_fwd_kernel(
     acc_o = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_t = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # Key blocks every row of this block sees completely run unmasked; the rest are masked.
-    # Without causality or a partial last key block (KEY_TAIL) the masked loop is not compiled.
+    # Key blocks every row of this block sees completely run unmasked; the rest are masked. The
+    # masked loops are compiled only where they can run: a window's left edge (LEFT), causality or
+    # a window's right edge (RIGHT), a partial last key block (KEY_TAIL).
     tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
-    n_k = N_K  # keys of this batch element: past kv_lens[b] they are padding
-    if HAS_KV_LENS:
-        n_k = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), N_K)
-    full_end, hi = key_range(m0, n_k, causal_off, BLOCK_M, BLOCK_N, CAUSAL)
-    lo = 0
-    if SPLIT:  # this program's shard of the key blocks: [lo, hi)
+    lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+    if SPLIT:  # this program's shard of the key blocks: [lo, hi) (never with RIGHT or LEFT)
         per_shard = tl.cdiv(tl.cdiv(hi, BLOCK_N), shards) * BLOCK_N  # keys, a multiple of BLOCK_N
         lo = shard * per_shard
         hi = tl.minimum(hi, lo + per_shard)
-        full_end = tl.minimum(tl.maximum(full_end, lo), hi)
-    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-        s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, lo, full_end, n_k,
-        m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, False, CAUSAL, EVEN_DQK, EVEN_DV,
-        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
-    if CAUSAL or KEY_TAIL:
+        full_lo = lo
+        full_hi = tl.minimum(tl.maximum(full_hi, lo), hi)
+    if LEFT:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, rows, offs_n, mask_dqk, mask_dv, full_end, hi, n_k,
-            m0 + causal_off, scale_log2, scale, b32, hkv32, BLOCK_N, True, CAUSAL, EVEN_DQK, EVEN_DV,
+            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, lo, full_lo, n_kv, off_r, off_l,
+            scale_log2, scale, b32, hkv32, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_lo, full_hi, n_kv, off_r, off_l,
+        scale_log2, scale, b32, hkv32, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+    if RIGHT or KEY_TAIL:
+        acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+            acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_hi, hi, n_kv, off_r, off_l,
+            scale_log2, scale, b32, hkv32, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
@@ -319,7 +340,7 @@ def _attn_fwd_kernel(
             to = acc_t * inv_l_t[:, None] - mu[:, None] * o  # (BLOCK_M, BLOCK_DV)
             tl.store(TO + b * s_tob + h * s_toh + offs_m[:, None] * s_ton + offs_dv[None, :] * s_tod,
                      to.to(TO.dtype.element_ty), mask=omask)
-        row0 = (b * H_Q + h) * N_Q  # flat index of row 0 in (B, H, N_Q)
+        row0 = b * s_lb + h * s_lh + q0  # flat index of row 0 in (B, H, N_Q)
         tl.store(LSE + row0 + offs_m, lse, mask=mask_m)
         if STORE_MU:
             tl.store(MU + row0 + offs_m, mu, mask=mask_m)
@@ -342,15 +363,16 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     without tangents (``mu`` also unless ``store_mu``). ``o``/``lse`` may be given to write into."""
     jvp = tq is not None or tk is not None or tv is not None
     if o is None:
-        o = empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q)
+        o = out_buffer(a, q)
     if lse is None:
-        lse = lse_buffer(a.batch, a.h_q, a.n_q, q.device)
-    to = empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q) if jvp else None
-    mu = lse_buffer(a.batch, a.h_q, a.n_q, q.device) if (jvp and store_mu) else None
+        lse = stat_buffer(a, q.device)
+    to = out_buffer(a, q) if jvp else None
+    mu = stat_buffer(a, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
-    strides = [strides_bhnd(x, a.layout) for x in (q, k, v, tq, tk, tv, o, to)]
-    tma = use_tma((q, k, v, tq, tk, tv), kv_tangents=tk is not None or tv is not None,
-                  head_dims=(a.d_qk, a.d_v), n_k=a.n_k)
+    strides = [seq_strides(x, a) for x in (q, k, v, tq, tk, tv, o, to)]
+    masks, mask_flags = mask_args(a)
+    tma = a.varlen is None and use_tma((q, k, v, tq, tk, tv), kv_tangents=tk is not None or tv is not None,
+                                       head_dims=(a.d_qk, a.d_v), n_k=a.n_k)
     # on the TMA path k, v, tk, tv go as host-made descriptors, one per slot (its box is set per
     # launch); q and tq as tensors (the kernel builds their descriptors: scratch memory)
     arg = (lambda x: _tma_descriptor(x, a.layout)) if tma else (lambda x: x)  # noqa: E731
@@ -360,7 +382,8 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
     # tail splitting (_split.py): a 1-D grid whose last programs are key shards of the last wave
     k_bucket = length_bucket(a.n_k)  # autotune key and split policy
-    slots = split_slots(q, causal=a.causal is not None, n_k_bucket=k_bucket)
+    bounded = mask_flags["RIGHT"] or mask_flags["LEFT"] or a.varlen is not None  # row blocks differ in work
+    slots = split_slots(q, causal=bounded, n_k_bucket=k_bucket)
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
     scratch = (split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in BLOCK_MS}, a.n_k)
                if slots else None)  # most launches: nothing to size
@@ -376,12 +399,12 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
         config = launch_tuned(
             _attn_fwd_kernel, grid,
             *inputs, o, o if to is None else to, lse, lse if mu is None else mu,
-            *_scratch_args(scratch, o, lse), lse if a.kv_lens is None else a.kv_lens,
-            *[s for st in strides for s in st],
-            a.batch, a.h_q, a.groups, a.n_q, a.n_k, a.causal_offset, a.scale * LOG2E, a.scale, max(slots, 1),
+            *_scratch_args(scratch, o, lse), *seq_tensors(a, lse),
+            *[s for st in strides for s in st], *stat_strides(a),
+            a.batch, a.h_q, a.groups, a.n_q, a.n_k, *masks, a.scale * LOG2E, a.scale, max(slots, 1),
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=k_bucket,
-            D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv,
-            CAUSAL=a.causal is not None, KEY_TAIL=a.n_k % MAX_BLOCK_N != 0 or a.kv_lens is not None,
+            D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags,
+            KEY_TAIL=a.n_k % MAX_BLOCK_N != 0 or a.kv_lens is not None or a.varlen is not None,
             HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
             STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma, SPLIT=slots > 0,

@@ -45,12 +45,85 @@ def load_tile(ptrs, mask0, mask1, MASK0: tl.constexpr, MASK1: tl.constexpr):
 
 
 @triton.jit
-def key_range(m0, N_K, causal_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Key blocks for query rows [m0, m0 + BLOCK_M): ``[0, full_end)`` are visible to every row
-    (no mask needed), ``[full_end, hi)`` need the bounds/causal mask."""
-    full_end = (N_K // BLOCK_N) * BLOCK_N
-    hi = N_K
-    if CAUSAL:
-        hi = tl.minimum(N_K, tl.maximum(m0 + BLOCK_M + causal_off, 0))
-        full_end = tl.minimum(full_end, (tl.maximum(m0 + causal_off + 1, 0) // BLOCK_N) * BLOCK_N)
-    return full_end, hi
+def sequence(CU_Q, CU_K, KV_LENS, b, N_Q, N_K, VARLEN: tl.constexpr, HAS_KV_LENS: tl.constexpr):
+    """Where batch element ``b`` lies: ``(q0, n_q, k0, n_k, n_kv)``, its first query row and key
+    in the tensors (0 unless VARLEN: packed sequences at the offsets ``CU_Q``/``CU_K``), its query
+    and key counts, and how many of its keys are valid (``n_k`` clamped by ``KV_LENS``)."""
+    if VARLEN:
+        q0 = tl.load(CU_Q + b)
+        k0 = tl.load(CU_K + b)
+        n_q = tl.load(CU_Q + b + 1) - q0
+        n_k = tl.load(CU_K + b + 1) - k0
+        q0 = q0.to(tl.int64)
+        k0 = k0.to(tl.int64)
+    else:
+        q0 = b * 0
+        k0 = b * 0
+        n_q = N_Q
+        n_k = N_K
+    n_kv = n_k
+    if HAS_KV_LENS:
+        n_kv = tl.minimum(tl.maximum(tl.load(KV_LENS + b), 0), n_k)
+    return q0, n_q, k0, n_k, n_kv
+
+
+@triton.jit
+def diagonals(n_q, n_k, bottom_right, win_r, win_l):
+    """``(off_r, off_l)``: query ``i`` sees key ``j`` only if ``i + off_l <= j <= i + off_r`` (each
+    bound where its flag is set: RIGHT for causal attention or a window's right side, LEFT for a
+    window's left side). The diagonal is ``n_k - n_q`` for bottom-right alignment, else 0."""
+    diag = bottom_right * (n_k - n_q)
+    return diag + win_r, diag - win_l
+
+
+@triton.jit
+def visible(rows, keys, n_kv, off_r, off_l, RIGHT: tl.constexpr, LEFT: tl.constexpr):
+    """(len(rows), len(keys)) bool: which keys each query row sees."""
+    vis = (keys < n_kv)[None, :]
+    if RIGHT:
+        vis = vis & (keys[None, :] <= rows[:, None] + off_r)
+    if LEFT:
+        vis = vis & (keys[None, :] >= rows[:, None] + off_l)
+    return vis
+
+
+@triton.jit
+def key_blocks(m0, n_kv, off_r, off_l, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               RIGHT: tl.constexpr, LEFT: tl.constexpr):
+    """Key ranges for query rows [m0, m0 + BLOCK_M): ``(lo, full_lo, full_hi, hi)``. Keys in
+    [full_lo, full_hi) (whole blocks) are visible to every row and need no mask; [lo, full_lo) and
+    [full_hi, hi) need it; keys outside [lo, hi) are seen by no row of the block."""
+    lo = m0 * 0
+    full_lo = m0 * 0
+    full_hi = (n_kv // BLOCK_N) * BLOCK_N
+    hi = n_kv
+    if RIGHT:
+        hi = tl.minimum(n_kv, tl.maximum(m0 + BLOCK_M + off_r, 0))
+        full_hi = tl.minimum(full_hi, (tl.maximum(m0 + off_r + 1, 0) // BLOCK_N) * BLOCK_N)
+    if LEFT:
+        lo = tl.minimum((tl.maximum(m0 + off_l, 0) // BLOCK_N) * BLOCK_N, hi)
+        full_lo = tl.cdiv(tl.maximum(m0 + BLOCK_M - 1 + off_l, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_blocks(n0, n_q, off_r, off_l, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RIGHT: tl.constexpr, LEFT: tl.constexpr):
+    """Query ranges for keys [n0, n0 + BLOCK_N), as ``key_blocks`` for rows: ``(lo, full_lo,
+    full_hi, hi)``, multiples of BLOCK_M (rows past ``n_q`` are masked by the caller)."""
+    m_end = tl.cdiv(n_q, BLOCK_M) * BLOCK_M
+    lo = n0 * 0
+    full_lo = n0 * 0
+    full_hi = m_end
+    hi = m_end
+    if RIGHT:  # row i sees key j only if i >= j - off_r
+        lo = tl.minimum((tl.maximum(n0 - off_r, 0) // BLOCK_M) * BLOCK_M, m_end)
+        full_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - off_r, 0), BLOCK_M) * BLOCK_M
+    if LEFT:  # ... and i <= j - off_l
+        hi = tl.minimum(m_end, tl.cdiv(tl.maximum(n0 + BLOCK_N - off_l, 0), BLOCK_M) * BLOCK_M)
+        full_hi = (tl.maximum(n0 - off_l + 1, 0) // BLOCK_M) * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi

@@ -111,6 +111,53 @@ def lse_buffer(batch: int, heads: int, n: int, device) -> torch.Tensor:
     return new_buffer((batch, heads, n), torch.float32, device)
 
 
+def out_buffer(a, like: torch.Tensor) -> torch.Tensor:
+    """The attention output of the call ``a`` (an ``AttnArgs``), contiguous in its layout; for
+    packed sequences the (1, total_q, Hq, Dv) view of the packed output."""
+    if a.varlen is not None:
+        return new_buffer((1, a.varlen.total_q, a.h_q, a.d_v), like.dtype, like.device)
+    return empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, like)
+
+
+def stat_buffer(a, device) -> torch.Tensor:
+    """Per-row float32 statistics (lse, mu, delta) of the call ``a``: (B, Hq, Nq); (1, Hq, total_q)
+    for packed sequences."""
+    if a.varlen is not None:
+        return new_buffer((1, a.h_q, a.varlen.total_q), torch.float32, device)
+    return lse_buffer(a.batch, a.h_q, a.n_q, device)
+
+
+def stat_strides(a) -> tuple[int, int]:
+    """(batch, head) strides of ``stat_buffer``; for packed sequences the batch stride is 0 (a
+    sequence's rows are found from its offset)."""
+    if a.varlen is not None:
+        return 0, a.varlen.total_q
+    return a.h_q * a.n_q, a.n_q
+
+
+def seq_strides(x: torch.Tensor | None, a) -> tuple[int, int, int, int]:
+    """``strides_bhnd`` for the kernels: batch stride 0 for packed sequences, whose (1, total, H, D)
+    views are indexed by sequence offsets instead."""
+    st = strides_bhnd(x, a.layout)
+    return (0, *st[1:]) if a.varlen is not None else st
+
+
+def mask_args(a) -> tuple[tuple[int, int, int], dict]:
+    """The kernels' runtime masking arguments ``(bottom_right, win_r, win_l)`` and their flags:
+    RIGHT (causal or a window's right side), LEFT (a window's left side), VARLEN."""
+    right, left = a.window_right, a.window_left
+    flags = dict(RIGHT=right >= 0, LEFT=left >= 0, VARLEN=a.varlen is not None)
+    return (int(a.causal == "bottom_right"), max(right, 0), max(left, 0)), flags
+
+
+def seq_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' KV_LENS, CU_Q, CU_K pointers (``stand_in`` where absent: never read)."""
+    kv = stand_in if a.kv_lens is None else a.kv_lens
+    if a.varlen is None:
+        return kv, stand_in, stand_in
+    return kv, a.varlen.cu_q, a.varlen.cu_k
+
+
 def strides_bhnd(x: torch.Tensor | None, layout: str) -> tuple[int, int, int, int]:
     """(batch, head, seq, dim) strides of a tensor given in ``layout``; zeros for ``None``."""
     if x is None:

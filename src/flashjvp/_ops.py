@@ -31,43 +31,61 @@ from torch import Tensor
 from flashjvp._bwd import attn_bwd
 from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
-from flashjvp._launch import empty_out, lse_buffer
-from flashjvp._validate import AttnArgs, check_inputs
+from flashjvp._launch import out_buffer, stat_buffer
+from flashjvp._validate import AttnArgs, check_inputs, varlen_args
 
 
-def _args(q: Tensor, k: Tensor, v: Tensor, causal: str | None, scale: float, layout: str,
-          kv_lens: Tensor | None) -> AttnArgs:
-    return check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens)
+# Every operator ends with the call's options, ``options(a)``: causal, scale, layout, kv_lens,
+# window ([] or [left, right]), and for packed sequences cu_q, cu_k, max_q, max_k (the tensors
+# are then the (1, total, H, D) views).
+def options(a: AttnArgs) -> tuple:
+    """The operators' trailing arguments for the call ``a``."""
+    vl = a.varlen
+    return (a.causal, a.scale, a.layout, a.kv_lens, list(a.window or ()),
+            None if vl is None else vl.cu_q, None if vl is None else vl.cu_k,
+            0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k)
+
+
+def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q,
+          max_k) -> AttnArgs:
+    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
+                     window=tuple(window) if window else None)
+    if cu_q is not None:  # checked by the public function: no device-to-host copy here
+        a = varlen_args(a, q.device, cu_q, cu_k, max_q, max_k, check_values=False)
+    return a
 
 
 def _o_like(q: Tensor, a: AttnArgs) -> Tensor:  # the launcher's own buffers, faked
-    return empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, q)
+    return out_buffer(a, q)
 
 
 def _lse_like(q: Tensor, a: AttnArgs) -> Tensor:
-    return lse_buffer(a.batch, a.h_q, a.n_q, q.device)
+    return stat_buffer(a, q.device)
 
 
 @torch.library.custom_op("flashjvp::fwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: str | None, scale: float,
-                layout: str, kv_lens: Tensor | None) -> tuple[Tensor, Tensor]:
+def attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: str | None, scale: float, layout: str,
+                kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
+                max_q: int, max_k: int) -> tuple[Tensor, Tensor]:
     """``(o, lse)``: o in ``layout`` (contiguous), lse (B, Hq, Nq) float32."""
-    o, _, lse, _ = attn_fwd(q, k, v, None, None, None, _args(q, k, v, causal, scale, layout, kv_lens))
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k)
+    o, _, lse, _ = attn_fwd(q, k, v, None, None, None, a)
     return o, lse
 
 
 @attn_fwd_op.register_fake
-def _(q, k, v, causal, scale, layout, kv_lens):
-    a = _args(q, k, v, causal, scale, layout, kv_lens)
+def _(q, k, v, *opts):
+    a = _args(q, k, v, *opts)
     return _o_like(q, a), _lse_like(q, a)
 
 
 @torch.library.custom_op("flashjvp::fwd_jvp", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_fwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
-                    tv: Tensor | None, causal: str | None, scale: float,
-                    layout: str, kv_lens: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    tv: Tensor | None, causal: str | None, scale: float, layout: str,
+                    kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
+                    max_q: int, max_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(o, to, lse, mu)`` of one fused launch; ``to`` and ``mu`` are zeros without tangents."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k)
     o, to, lse, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=True)
     if to is None:
         to, mu = torch.zeros_like(o), torch.zeros_like(lse)
@@ -75,21 +93,22 @@ def attn_fwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tens
 
 
 @attn_fwd_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, causal, scale, layout, kv_lens):
-    a = _args(q, k, v, causal, scale, layout, kv_lens)
+def _(q, k, v, tq, tk, tv, *opts):
+    a = _args(q, k, v, *opts)
     return _o_like(q, a), _o_like(q, a), _lse_like(q, a), _lse_like(q, a)
 
 
 @torch.library.custom_op("flashjvp::bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                causal: str | None, scale: float, layout: str,
-                kv_lens: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                causal: str | None, scale: float, layout: str, kv_lens: Tensor | None, window: list[int],
+                cu_q: Tensor | None, cu_k: Tensor | None, max_q: int, max_k: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``, each with its input's shape and strides (``torch.empty_like``)."""
-    return attn_bwd(do, q, k, v, o, lse, _args(q, k, v, causal, scale, layout, kv_lens))
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k)
+    return attn_bwd(do, q, k, v, o, lse, a)
 
 
 @attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale, layout, kv_lens):
+def _(do, q, k, v, o, lse, *opts):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -97,17 +116,19 @@ def _(do, q, k, v, o, lse, causal, scale, layout, kv_lens):
 def attn_bwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
                     o: Tensor, to: Tensor, lse: Tensor, mu: Tensor, do: Tensor | None, dto: Tensor | None,
                     dlse: Tensor | None, dmu: Tensor | None, causal: str | None, scale: float,
-                    layout: str, kv_lens: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    layout: str, kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None,
+                    cu_k: Tensor | None, max_q: int,
+                    max_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dtq, dtk, dtv)`` of ``fwd_jvp``; a tangent's gradient is an empty tensor
     when the tangent is None (an operator cannot return None)."""
-    grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu,
-                         _args(q, k, v, causal, scale, layout, kv_lens))
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k)
+    grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a)
     return tuple(q.new_empty(0) if g is None else g for g in grads)
 
 
 @attn_bwd_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, causal, scale, layout, kv_lens):
-    a = _args(q, k, v, causal, scale, layout, kv_lens)
+def _(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *opts):
+    a = _args(q, k, v, *opts)
     if a.layout == "bhnd":
         like = lambda x: torch.empty_like(x, memory_format=torch.contiguous_format)  # noqa: E731
     else:  # (B, H, N, D) contiguous buffers, returned transposed
@@ -115,32 +136,46 @@ def _(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, causal, scale, la
     return (*(like(x) for x in (q, k, v)), *(q.new_empty(0) if t is None else like(t) for t in (tq, tk, tv)))
 
 
+_N_OPTIONS = 9  # the options' count: none of them is differentiable
+_TENSOR_OPTIONS = (3, 5, 6)  # kv_lens, cu_q, cu_k: saved as tensors, the rest on ctx
+
+
+def _save_options(ctx, opts) -> tuple:
+    ctx.options = [None if i in _TENSOR_OPTIONS else x for i, x in enumerate(opts)]
+    return tuple(opts[i] for i in _TENSOR_OPTIONS)
+
+
+def _load_options(ctx, saved) -> list:
+    opts = list(ctx.options)
+    for i, x in zip(_TENSOR_OPTIONS, saved):
+        opts[i] = x
+    return opts
+
+
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, layout, kv_lens = inputs
+    q, k, v, *opts = inputs
     o, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, o, lse, kv_lens)
-    ctx.options = (causal, scale, layout)
+    ctx.save_for_backward(q, k, v, o, lse, *_save_options(ctx, opts))
 
 
 def _fwd_backward(ctx, do, _dlse):
-    q, k, v, o, lse, kv_lens = ctx.saved_tensors
-    dq, dk, dv = attn_bwd_op(do, q, k, v, o, lse, *ctx.options, kv_lens)
-    return dq, dk, dv, None, None, None, None
+    q, k, v, o, lse, *saved = ctx.saved_tensors
+    dq, dk, dv = attn_bwd_op(do, q, k, v, o, lse, *_load_options(ctx, saved))
+    return dq, dk, dv, *(None,) * _N_OPTIONS
 
 
 attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 def _fwd_jvp_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:6], *output, inputs[9])
-    ctx.options = inputs[6:9]
+    ctx.save_for_backward(*inputs[:6], *output, *_save_options(ctx, inputs[6:]))
 
 
 def _fwd_jvp_backward(ctx, do, dto, dlse, dmu):
-    q, k, v, tq, tk, tv, o, to, lse, mu, kv_lens = ctx.saved_tensors
-    grads = attn_bwd_jvp_op(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *ctx.options, kv_lens)
-    return (*grads[:3], *(None if t is None else g for t, g in zip((tq, tk, tv), grads[3:])), None, None, None, None)
+    q, k, v, tq, tk, tv, o, to, lse, mu, *saved = ctx.saved_tensors
+    grads = attn_bwd_jvp_op(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *_load_options(ctx, saved))
+    return (*grads[:3], *(None if t is None else g for t, g in zip((tq, tk, tv), grads[3:])), *(None,) * _N_OPTIONS)
 
 
 attn_fwd_jvp_op.register_autograd(_fwd_jvp_backward, setup_context=_fwd_jvp_setup_context)

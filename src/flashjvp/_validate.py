@@ -192,7 +192,7 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
                     _norm_window(window))
 
 
-def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device) -> None:
+def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device, check_values: bool) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name}: expected an int32 torch.Tensor of shape (B + 1,), got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -203,7 +203,7 @@ def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device)
         raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
     if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral) or max_len < 0:
         raise TypeError(f"{max_name}: expected an int >= 0, got {max_len!r}")
-    if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if not check_values or torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
         return  # reading the values back would break the graph / the capture
     host = cu.tolist()  # one device-to-host copy: a wrong offset would silently skip rows
     lens = [e - s for s, e in zip(host, host[1:])]
@@ -215,10 +215,11 @@ def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device)
 
 
 def check_varlen(q, k, v, tq, tk, tv, cu_q, cu_k, max_q, max_k, *, causal=False, scale=None,
-                 window=None, allow_float64: bool = True) -> AttnArgs:
+                 window=None, allow_float64: bool = True, check_values: bool = True) -> AttnArgs:
     """Validate a packed batch (q (total_q, Hq, Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv),
     int32 offsets ``cu_q``/``cu_k`` of shape (B + 1,)) and return its sizes as ``AttnArgs`` of the
-    (1, total, H, D) "bnhd" views, ``batch`` = B, ``n_q``/``n_k`` = the longest sequences."""
+    (1, total, H, D) "bnhd" views, ``batch`` = B, ``n_q``/``n_k`` = the longest sequences.
+    ``check_values`` reads the offsets back to the host (one synchronisation) to check them."""
     for name, x in (("q", q), ("k", k), ("v", v), ("tq", tq), ("tk", tk), ("tv", tv)):
         if x is None and name.startswith("t"):
             continue
@@ -227,14 +228,19 @@ def check_varlen(q, k, v, tq, tk, tv, cu_q, cu_k, max_q, max_k, *, causal=False,
         if x.dim() != 3:
             raise ValueError(f"{name}: expected a 3-d tensor (total, H, D) for packed sequences, "
                              f"got shape {tuple(x.shape)}")
-    total_q, total_k = q.shape[0], k.shape[0]
-    if total_q < 1 or total_k < 1:
-        raise ValueError(f"q, k: expected packed lengths >= 1, got {total_q} and {total_k}")
     views = [None if x is None else x.unsqueeze(0) for x in (q, k, v, tq, tk, tv)]
     a = check_inputs(*views, causal=causal, scale=scale, layout="bnhd", allow_float64=allow_float64,
                      window=window)
-    _check_cu_seqlens("cu_seqlens_q", cu_q, total_q, max_q, "max_seqlen_q", q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_k, total_k, max_k, "max_seqlen_k", q.device)
+    return varlen_args(a, q.device, cu_q, cu_k, max_q, max_k, check_values=check_values)
+
+
+def varlen_args(a: AttnArgs, device, cu_q, cu_k, max_q, max_k, *, check_values: bool = True) -> AttnArgs:
+    """``a`` (the checked (1, total, H, D) views of a packed batch) with its offsets checked and
+    recorded: ``batch`` becomes the number of sequences, ``n_q``/``n_k`` the longest ones."""
+    total_q, total_k = a.n_q, a.n_k
+    for name, cu, total, max_len, max_name in (("cu_seqlens_q", cu_q, total_q, max_q, "max_seqlen_q"),
+                                                ("cu_seqlens_k", cu_k, total_k, max_k, "max_seqlen_k")):
+        _check_cu_seqlens(name, cu, total, max_len, max_name, device, check_values)
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_k: expected shape {tuple(cu_q.shape)} (that of cu_seqlens_q), "
                          f"got {tuple(cu_k.shape)}")

@@ -1,4 +1,5 @@
-"""Public entry points: ``attention`` and ``attention_jvp``."""
+"""Public entry points: ``attention`` and ``attention_jvp`` for (B, H, N, D) batches, and
+``attention_varlen`` and ``attention_varlen_jvp`` for packed variable-length batches."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from torch._C._functorch import TransformType
 
 from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._fwd import attn_fwd
-from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op
+from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
 from flashjvp._policy import interpreting
-from flashjvp._validate import AttnArgs, check_inputs
-from flashjvp.ref import attention_jvp_ref, attention_ref
+from flashjvp._validate import AttnArgs, check_inputs, check_varlen
+from flashjvp.ref import attention_jvp_ref, attention_ref, attention_varlen_jvp_ref, attention_varlen_ref
 
-__all__ = ["attention", "attention_jvp"]
+__all__ = ["attention", "attention_jvp", "attention_varlen", "attention_varlen_jvp"]
 
 # CPU fallback without the interpreter: query rows per block, so memory stays O(block * Nk).
 _CPU_BLOCK_Q = 256
@@ -60,6 +61,24 @@ def _cpu_block(q: torch.Tensor) -> int | None:
     return None if q.is_cuda else _CPU_BLOCK_Q
 
 
+def _ref(q, k, v, tq, tk, tv, a: AttnArgs, *, jvp: bool):
+    """The math reference for the call ``a`` on the kernels' 4-d tensors: ``o``, or
+    ``(o, to, lse, mu)`` when ``jvp`` (the CPU fallback, and the path under vmap)."""
+    kw = dict(causal=a.causal, scale=a.scale, window=a.window)
+    if a.varlen is not None:  # the (1, total, H, D) views back to the packed (total, H, D) tensors
+        vl = a.varlen
+        sq = [None if x is None else x.squeeze(0) for x in (q, k, v, tq, tk, tv)]
+        packed = (vl.cu_q, vl.cu_k, vl.max_q, vl.max_k)
+        if not jvp:
+            return attention_varlen_ref(*sq[:3], *packed, **kw).unsqueeze(0)
+        o, to, lse, mu = attention_varlen_jvp_ref(*sq[:3], *packed, *sq[3:], return_lse=True, **kw)
+        return o.unsqueeze(0), to.unsqueeze(0), lse.unsqueeze(0), mu.unsqueeze(0)
+    kw.update(layout=a.layout, block_q=_cpu_block(q), kv_lens=a.kv_lens)
+    if not jvp:
+        return attention_ref(q, k, v, **kw)
+    return attention_jvp_ref(q, k, v, tq, tk, tv, return_lse=True, **kw)
+
+
 # The kernel paths of ``attention`` and ``attention_jvp`` outside a graph: eager calls, and the
 # calls a compiled graph leaves to them (forward-mode AD, see _ops.py). Opaque to Dynamo, so that
 # a frame it falls back on never has the launchers' Python traced.
@@ -67,8 +86,7 @@ def _cpu_block(q: torch.Tensor) -> int | None:
 def _attention_kernels(q, k, v, a: AttnArgs) -> torch.Tensor:
     stack = _transforms()
     if _needs_math_path(stack):
-        return attention_ref(q, k, v, causal=a.causal, scale=a.scale, layout=a.layout, block_q=_cpu_block(q),
-                             kv_lens=a.kv_lens)
+        return _ref(q, k, v, None, None, None, a, jvp=False)
     if _plain(stack, q, k, v):
         return attn_fwd(q, k, v, None, None, None, a)[0]
     defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
@@ -79,14 +97,38 @@ def _attention_kernels(q, k, v, a: AttnArgs) -> torch.Tensor:
 def _attention_jvp_kernels(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
     stack = _transforms()
     if _needs_math_path(stack):
-        return attention_jvp_ref(q, k, v, tq, tk, tv, causal=a.causal, scale=a.scale, layout=a.layout,
-                                 return_lse=True, block_q=_cpu_block(q), kv_lens=a.kv_lens)
+        return _ref(q, k, v, tq, tk, tv, a, jvp=True)
     if _plain(stack, q, k, v, tq, tk, tv):
         return attn_fwd(q, k, v, tq, tk, tv, a, store_mu=return_lse)
     return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True)  # mu: for the backward
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None):
+def _attention(q, k, v, a: AttnArgs) -> torch.Tensor:
+    """``attention`` on validated 4-d tensors (packed batches: their (1, total, H, D) views)."""
+    if not _use_kernels(q):
+        return _ref(q, k, v, None, None, None, a, jvp=False)
+    if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
+        return attn_fwd_op(q, k, v, *options(a))[0]
+    return _attention_kernels(q, k, v, a)
+
+
+def _attention_jvp(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
+    """``attention_jvp`` on validated 4-d tensors: ``(o, to, lse, mu)``, zeros for a missing
+    ``to``; ``mu`` is None unless ``return_lse``."""
+    if not _use_kernels(q):
+        o, to, lse, mu = _ref(q, k, v, tq, tk, tv, a, jvp=True)
+    elif torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
+        o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq, tk, tv, *options(a))
+    else:
+        o, to, lse, mu = _attention_jvp_kernels(q, k, v, tq, tk, tv, a, return_lse)
+    if to is None:  # no tangent at all
+        to = torch.zeros_like(o)
+    if return_lse and mu is None:
+        mu = torch.zeros_like(lse)
+    return o, to, lse, mu
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None, window=None):
     """Scaled dot-product attention ``softmax(scale * q @ k^T) @ v`` (FlashAttention).
 
     Args:
@@ -104,6 +146,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None)
         kv_lens: key padding, an integer (B,) tensor on q's device: batch element ``b`` has
             ``kv_lens[b]`` valid keys, the rest of its keys and values are padding that no query
             sees (values outside [0, Nk] are clamped). Causal alignment counts all Nk keys.
+        window: sliding window ``(left, right)`` (flash-attn's ``window_size``; -1 = unbounded):
+            query i sees keys ``i + d - left <= j <= i + d + right``, where the diagonal ``d`` is
+            ``Nk - Nq`` with ``causal="bottom_right"`` and 0 otherwise. With ``causal`` the right
+            side is 0. Key blocks outside every row's window are skipped.
 
     Returns:
         o: (B, Hq, Nq, Dv) / (B, Nq, Hq, Dv), dtype of q.
@@ -111,21 +157,17 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None)
     Differentiable (Triton backward) and forward-differentiable: under ``torch.func.jvp`` or
     ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
     """
-    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens)
-    if not _use_kernels(q):
-        return attention_ref(q, k, v, causal=causal, scale=scale, layout=layout, block_q=_cpu_block(q),
-                             kv_lens=a.kv_lens)
-    if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
-        return attn_fwd_op(q, k, v, a.causal, a.scale, a.layout, a.kv_lens)[0]
-    return _attention_kernels(q, k, v, a)
+    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
+                     window=window)
+    return _attention(q, k, v, a)
 
 
 def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
-                  layout="bhnd", return_lse=False, kv_lens=None):
+                  layout="bhnd", return_lse=False, kv_lens=None, window=None):
     """Attention and its forward-mode derivative in one fused kernel launch.
 
     Args:
-        q, k, v, causal, scale, layout, kv_lens: as in :func:`attention`.
+        q, k, v, causal, scale, layout, kv_lens, window: as in :func:`attention`.
         tq, tk, tv: tangents with the shapes and dtypes of q, k, v (strides may differ);
             ``None`` means zero, and the matrix products it would feed are skipped.
         return_lse: also return ``lse`` and its tangent ``mu``.
@@ -138,16 +180,56 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     backward kernels; through ``to``, ``lse`` or ``mu`` this is the second-order backward).
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
-                     allow_float64=False, kv_lens=kv_lens)
-    if not _use_kernels(q):
-        o, to, lse, mu = attention_jvp_ref(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
-                                           return_lse=True, block_q=_cpu_block(q), kv_lens=a.kv_lens)
-    elif torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
-        o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq, tk, tv, a.causal, a.scale, a.layout, a.kv_lens)
-    else:
-        o, to, lse, mu = _attention_jvp_kernels(q, k, v, tq, tk, tv, a, return_lse)
-    if to is None:  # no tangent at all
-        to = torch.zeros_like(o)
-    if return_lse and mu is None:
-        mu = torch.zeros_like(lse)
+                     allow_float64=False, kv_lens=kv_lens, window=window)
+    o, to, lse, mu = _attention_jvp(q, k, v, tq, tk, tv, a, return_lse)
     return (o, to, lse, mu) if return_lse else (o, to)
+
+
+def _unsqueeze(*xs):
+    return [None if x is None else x.unsqueeze(0) for x in xs]
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                     causal=False, scale=None, window=None):
+    """Attention over a packed batch of variable-length sequences (flash-attn's
+    ``flash_attn_varlen_func`` convention).
+
+    Args:
+        q: (total_q, Hq, Dqk), the queries of all sequences one after another.
+        k: (total_k, Hkv, Dqk); v: (total_k, Hkv, Dv). Strides, dtypes, heads and GQA as in
+            :func:`attention`.
+        cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) offsets on q's device: sequence ``b`` has the
+            query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and the keys
+            ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; sequences of length 0 are allowed. They are read
+            back once per call to check them (not under torch.compile or CUDA graph capture).
+        max_seqlen_q, max_seqlen_k: ints, at least the longest query / key sequence.
+        causal, scale, window: as in :func:`attention`, per sequence (bottom-right alignment uses
+            each sequence's own lengths).
+
+    Returns:
+        o: (total_q, Hq, Dv), dtype of q; rows of a sequence without keys are zeros.
+
+    Differentiable and forward-differentiable like :func:`attention`.
+    """
+    a = check_varlen(q, k, v, None, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     causal=causal, scale=scale, window=window, allow_float64=False)
+    return _attention(*_unsqueeze(q, k, v), a).squeeze(0)
+
+
+def attention_varlen_jvp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         tq=None, tk=None, tv=None, *, causal=False, scale=None, window=None, return_lse=False):
+    """:func:`attention_varlen` and its forward-mode derivative in one fused kernel launch.
+
+    Args:
+        as :func:`attention_varlen`; tq, tk, tv: tangents shaped like q, k, v, or None (zero).
+
+    Returns:
+        ``(o, to)``, or ``(o, to, lse, mu)`` with ``lse, mu`` (Hq, total_q) float32.
+        Every output is differentiable, as in :func:`attention_jvp`.
+    """
+    a = check_varlen(q, k, v, tq, tk, tv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     causal=causal, scale=scale, window=window, allow_float64=False)
+    o, to, lse, mu = _attention_jvp(*_unsqueeze(q, k, v, tq, tk, tv), a, return_lse)
+    if return_lse:
+        return o.squeeze(0), to.squeeze(0), lse.squeeze(0), mu.squeeze(0)
+    return o.squeeze(0), to.squeeze(0)
