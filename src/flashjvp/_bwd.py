@@ -21,6 +21,7 @@ from flashjvp._jit import (
     diagonals,
     key_blocks,
     load_tile,
+    mask_bias,
     query_blocks,
     sequence,
     visible,
@@ -31,6 +32,7 @@ from flashjvp._launch import (
     launch_device,
     launch_tuned,
     mask_args,
+    mask_strides,
     seq_strides,
     seq_tensors,
     stat_strides,
@@ -39,7 +41,7 @@ from flashjvp._launch import (
 from flashjvp._policy import BWD_TILES, head_blocks, length_bucket, prune_bwd_configs, tile_configs
 from flashjvp._validate import AttnArgs
 
-_BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "DOT_PREC"]
+_BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK", "DOT_PREC"]
 _EVEN_D = {
     "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
     "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
@@ -57,7 +59,8 @@ def _lse_log2(LSE, idx, mask):
 @triton.jit
 def _dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, s_qn, s_don,
-    keys, kvalid, mask_dqk, mask_dv, lo, hi, n_q, off_r, off_l, scale_log2,
+    keys, kvalid, mask_dqk, mask_dv, lo, hi, n_q, off_r, off_l, scale_log2, mask_src, n_k, s_mm, s_mn,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, KEY_MASK: tl.constexpr,
 ):
@@ -70,6 +73,9 @@ def _dkdv_inner(
         q = load_tile(q_ptrs + start_m * s_qn, rvalid, mask_dqk, True, not EVEN_DQK)  # (BLOCK_M, BLOCK_DQK)
         lse2 = _lse_log2(lse_ptr, rows, rvalid)  # (BLOCK_M,)
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # (BLOCK_N, BLOCK_M): S^T
+        if MASKED and HAS_MASK:
+            bias = mask_bias(mask_src, rows, keys, n_q, n_k, s_mm, s_mn, MASK_BOOL, MASK_ROWS)  # (BLOCK_M, BLOCK_N)
+            st += tl.trans(bias) * LOG2E_K
         pt = tl.math.exp2(st - lse2[None, :])  # (BLOCK_N, BLOCK_M): P^T
         if MASKED:
             vis = keys[:, None] >= 0  # (BLOCK_N, 1)
@@ -94,14 +100,15 @@ def _dkdv_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KV_LENS, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KV_LENS, CU_Q, CU_K, MASK,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, s_lb, s_lh,
+    s_mb, s_mh, s_mm, s_mn,
     H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_KV_LENS: tl.constexpr,
+    HAS_KV_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1).to(tl.int64)
@@ -147,22 +154,28 @@ def _attn_bwd_dkdv_kernel(
     if HAS_KV_LENS:  # a block of padding only: no query block to visit
         hi = tl.where(n0 < n_kv, hi, 0)
         lo, full_lo, full_hi = tl.minimum(lo, hi), tl.minimum(full_lo, hi), tl.minimum(full_hi, hi)
+    if HAS_MASK:  # every block reads its tile of the mask
+        full_hi = full_lo
     for g in range(GROUPS):  # query heads of this kv head, summed in a fixed order
         h = h_kv * GROUPS + g
         q_ptrs = Q + b * s_qb + h * s_qh + tl.arange(0, BLOCK_M)[:, None] * s_qn + offs_dqk[None, :] * s_qd
         do_ptrs = DO + b * s_dob + h * s_doh + tl.arange(0, BLOCK_M)[:, None] * s_don + offs_dv[None, :] * s_dod
         row_base = b * s_lb + h * s_lh + q0
+        mask_src = MASK + b * s_mb + h * s_mh
         if RIGHT:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
-                                 s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, lo, full_lo, n_q, off_r, off_l,
-                                 scale_log2, BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
-                             s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, full_lo, full_hi, n_q, off_r, off_l,
-                             scale_log2, BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
-        if LEFT:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base,
-                                 s_qn, s_don, keys, kvalid, mask_dqk, mask_dv, full_hi, hi, n_q, off_r, off_l,
-                                 scale_log2, BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
+                                 keys, kvalid, mask_dqk, mask_dv, lo, full_lo, n_q, off_r, off_l, scale_log2,
+                                 mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                                 BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
+                             keys, kvalid, mask_dqk, mask_dv, full_lo, full_hi, n_q, off_r, off_l, scale_log2,
+                             mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                             BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+        if LEFT or HAS_MASK:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
+                                 keys, kvalid, mask_dqk, mask_dv, full_hi, hi, n_q, off_r, off_l, scale_log2,
+                                 mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                                 BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
     dk = dk * scale
     tl.store(DK + b * s_dkb + h_kv * s_dkh + keys[:, None] * s_dkn + offs_dqk[None, :] * s_dkd,
              dk.to(DK.dtype.element_ty), mask=kin[:, None] & mask_dqk[None, :])
@@ -173,7 +186,8 @@ def _attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_inner(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-    lo, hi, n_kv, off_r, off_l, scale_log2,
+    lo, hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -183,6 +197,8 @@ def _dq_inner(
         kvalid = keys < n_kv
         k = load_tile(k_ptrs + start_n * s_kn, kvalid, mask_dqk, MASKED, not EVEN_DQK)  # (BLOCK_N, BLOCK_DQK)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
+        if MASKED and HAS_MASK:
+            s += mask_bias(mask_src, rows, keys, n_q, n_kv, s_mm, s_mn, MASK_BOOL, MASK_ROWS) * LOG2E_K
         p = tl.math.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
             p = tl.where(visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT), p, 0.0)
@@ -198,14 +214,15 @@ def _dq_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, KV_LENS, CU_Q, CU_K,
+    Q, K, V, O, DO, LSE, DELTA, DQ, KV_LENS, CU_Q, CU_K, MASK,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd, s_lb, s_lh,
+    s_mb, s_mh, s_mm, s_mn,
     H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_KV_LENS: tl.constexpr,
+    HAS_KV_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -253,16 +270,19 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
 
     lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+    mask_src = MASK + b * s_mb + h * s_mh
+    if HAS_MASK:  # every block reads its tile of the mask
+        full_hi = full_lo
     if LEFT:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                       lo, full_lo, n_kv, off_r, off_l, scale_log2, BLOCK_N, True, RIGHT, LEFT,
-                       EVEN_DQK, EVEN_DV, DOT_PREC)
+                       lo, full_lo, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                       HAS_MASK, MASK_BOOL, MASK_ROWS, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                   full_lo, full_hi, n_kv, off_r, off_l, scale_log2, BLOCK_N, False, RIGHT, LEFT,
-                   EVEN_DQK, EVEN_DV, DOT_PREC)
+                   full_lo, full_hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                   HAS_MASK, MASK_BOOL, MASK_ROWS, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                   full_hi, hi, n_kv, off_r, off_l, scale_log2, BLOCK_N, True, RIGHT, LEFT,
-                   EVEN_DQK, EVEN_DV, DOT_PREC)
+                   full_hi, hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                   HAS_MASK, MASK_BOOL, MASK_ROWS, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = dq * scale
     tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqn + offs_dqk[None, :] * s_dqd,
              dq.to(DQ.dtype.element_ty), mask=rvalid[:, None] & mask_dqk[None, :])
@@ -281,7 +301,7 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
                   D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags,
                   DOT_PREC=dot_precision(q.dtype), ALIGN=align, HAS_KV_LENS=a.kv_lens is not None)
     seqs = seq_tensors(a, lse)
-    sizes = (*stat_strides(a), a.h_q, a.groups, a.n_q, a.n_k, *masks, a.scale * LOG2E, a.scale)
+    sizes = (*stat_strides(a), *mask_strides(a), a.h_q, a.groups, a.n_q, a.n_k, *masks, a.scale * LOG2E, a.scale)
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     with launch_device(q):

@@ -24,12 +24,20 @@ import triton
 import triton.language as tl
 
 from flashjvp._bwd import _lse_log2
-from flashjvp._jit import LOG2E, diagonals, key_blocks, query_blocks, sequence, visible
-from flashjvp._launch import dot_precision, launch_device, launch_tuned, mask_args, new_buffer, seq_tensors
+from flashjvp._jit import LOG2E, LOG2E_K, diagonals, key_blocks, mask_bias, query_blocks, sequence, visible
+from flashjvp._launch import (
+    dot_precision,
+    launch_device,
+    launch_tuned,
+    mask_args,
+    mask_strides,
+    new_buffer,
+    seq_tensors,
+)
 from flashjvp._policy import BWD_JVP_TILES, head_blocks, length_bucket, prune_bwd_jvp_configs, tile_configs
 from flashjvp._validate import AttnArgs
 
-_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "DOT_PREC",
+_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK", "DOT_PREC",
         "HAS_TQ", "HAS_TK", "HAS_TV", "HAS_DO", "HAS_DTO"]
 
 
@@ -41,8 +49,12 @@ def _tile(base, rows, cols, n_rows, n_cols, row_stride):
 
 
 @triton.jit
-def _probs(s, lse2, rows, keys, n_kv, off_r, off_l, RIGHT: tl.constexpr, LEFT: tl.constexpr):
-    """P (rows x keys) from logits ``s`` in log2 units and the rows' lse2; 0 where not visible."""
+def _probs(s, lse2, rows, keys, n_q, n_kv, off_r, off_l, mask_src, s_mm, s_mn, RIGHT: tl.constexpr,
+           LEFT: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """P (rows x keys) from logits ``s`` in log2 units, the attention mask at ``mask_src``
+    (HAS_MASK) and the rows' lse2; 0 where not visible."""
+    if HAS_MASK:
+        s += mask_bias(mask_src, rows, keys, n_q, n_kv, s_mm, s_mn, MASK_BOOL, MASK_ROWS) * LOG2E_K
     p = tl.math.exp2(s - lse2[:, None])
     return tl.where(visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT), p, 0.0)
 
@@ -83,12 +95,14 @@ def _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv,
                  prune_configs_by={"early_config_prune": prune_bwd_jvp_configs})
 @triton.jit
 def _attn_bwd_jvp_dq_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ, KV_LENS, CU_Q, CU_K,
+    Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ, KV_LENS, CU_Q, CU_K, MASK,
+    s_mb, s_mh, s_mm, s_mn,
     H_Q, GROUPS, N_Q, N_K, NQ_T, NK_T, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
     HAS_DTO: tl.constexpr, HAS_KV_LENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
 ):
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     pid_m = tl.program_id(0)
@@ -144,6 +158,7 @@ def _attn_bwd_jvp_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
     dtq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
     lo, _, _, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)  # every block masked
+    mask_src = MASK + b * s_mb + h * s_mh
     for start_n in range(lo, hi, BLOCK_N):
         keys = start_n + offs_n  # (BLOCK_N,)
         k = _tile(K + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
@@ -151,7 +166,8 @@ def _attn_bwd_jvp_dq_kernel(
         tk = k
         tv = v
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
-        p = _probs(s, lse2, rows, keys, n_kv, off_r, off_l, RIGHT, LEFT)
+        p = _probs(s, lse2, rows, keys, n_q, n_kv, off_r, off_l, mask_src, s_mm, s_mn, RIGHT, LEFT,
+                   HAS_MASK, MASK_BOOL, MASK_ROWS)
         if HAS_TK:
             tk = _tile(TK + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
         ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
@@ -175,12 +191,14 @@ def _attn_bwd_jvp_dq_kernel(
                  prune_configs_by={"early_config_prune": prune_bwd_jvp_configs})
 @triton.jit
 def _attn_bwd_jvp_dkdv_kernel(
-    Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV, KV_LENS, CU_Q, CU_K,
+    Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV, KV_LENS, CU_Q, CU_K, MASK,
+    s_mb, s_mh, s_mm, s_mn,
     H_Q, GROUPS, N_Q, N_K, NQ_T, NK_T, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
     HAS_DTO: tl.constexpr, HAS_KV_LENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
 ):
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     pid_n = tl.program_id(0)
@@ -219,6 +237,7 @@ def _attn_bwd_jvp_dkdv_kernel(
         bh = bt * H_Q + h_kv * GROUPS + gi
         q_base = (bh * NQ_T + q0) * D_QK
         o_base = (bh * NQ_T + q0) * D_V
+        mask_src = MASK + b * s_mb + (h_kv * GROUPS + gi) * s_mh
         for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m  # (BLOCK_M,)
             rvalid = rows < n_q
@@ -226,7 +245,8 @@ def _attn_bwd_jvp_dkdv_kernel(
             q = _tile(Q + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
             lse2 = _lse_log2(LSE, idx, rvalid)  # (BLOCK_M,)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
-            p = _probs(s, lse2, rows, keys, n_kv, off_r, off_l, RIGHT, LEFT)
+            p = _probs(s, lse2, rows, keys, n_q, n_kv, off_r, off_l, mask_src, s_mm, s_mn, RIGHT, LEFT,
+                       HAS_MASK, MASK_BOOL, MASK_ROWS)
             tq = q
             if HAS_TQ:
                 tq = _tile(TQ + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
@@ -298,7 +318,7 @@ def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: Att
                  BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags, DOT_PREC=dot_precision(q.dtype),
                  HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
                  HAS_DO=do is not None, HAS_DTO=dto is not None, HAS_KV_LENS=a.kv_lens is not None)
-    seqs = seq_tensors(a, lse)
+    seqs, mstrides = seq_tensors(a, lse), mask_strides(a)
     n_t = (a.n_q, a.n_k) if a.varlen is None else (a.varlen.total_q, a.varlen.total_k)  # rows per (b, h)
     sizes = (a.h_q, a.groups, a.n_q, a.n_k, *n_t, *masks, a.scale * LOG2E, a.scale)
     alt = lambda x, y: y if x is None else x  # noqa: E731  (a tensor the kernel never reads)
@@ -306,9 +326,9 @@ def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: Att
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     with launch_device(q):
         launch_tuned(_attn_bwd_jvp_dq_kernel, grid_q, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v), o, to,
-                     alt(do, o), alt(dto, o), lse, mu, dlse, dmu, delta, g, dq, alt(dtq, dq), *seqs, *sizes,
+                     alt(do, o), alt(dto, o), lse, mu, dlse, dmu, delta, g, dq, alt(dtq, dq), *seqs, *mstrides, *sizes,
                      **flags)
         launch_tuned(_attn_bwd_jvp_dkdv_kernel, grid_kv, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v),
                      alt(do, o), alt(dto, o), lse, mu, dlse, delta, g, dk, dv, alt(dtk, dk), alt(dtv, dv),
-                     *seqs, *sizes, **flags)
+                     *seqs, *mstrides, *sizes, **flags)
     return tuple(_in_layout(x, L) for x in (dq, dk, dv, dtq, dtk, dtv))

@@ -20,13 +20,25 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashjvp._jit import LN2_K, LOG2E, aligned, aligned3, diagonals, key_blocks, load_tile, sequence, visible
+from flashjvp._jit import (
+    LN2_K,
+    LOG2E,
+    aligned,
+    aligned3,
+    diagonals,
+    key_blocks,
+    load_tile,
+    mask_bias,
+    sequence,
+    visible,
+)
 from flashjvp._launch import (
     dot_precision,
     ensure_tma_allocator,
     launch_device,
     launch_tuned,
     mask_args,
+    mask_strides,
     out_buffer,
     seq_strides,
     seq_tensors,
@@ -122,13 +134,15 @@ def _fwd_inner(
     acc_o, acc_t, m_i, l_i, r_i, q, tq,
     k_src, v_src, tk_src, tv_src, stride_kn, stride_vn, stride_tkn, stride_tvn,
     rows, offs_n, mask_dqk, mask_dv, lo, hi, n_kv, off_r, off_l, scale_log2, scale, b, h_kv,
+    mask_src, n_q, s_mm, s_mn, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
 ):
     """Fold key blocks [lo, hi) into the running state; MASKED blocks apply the key count
-    ``n_kv`` and the diagonal bounds (``_jit.visible``) to the query rows ``rows``. With TMA the
+    ``n_kv``, the diagonal bounds (``_jit.visible``) and an attention mask (HAS_MASK: at
+    ``mask_src``, added to the logits) to the query rows ``rows``. With TMA the
     K/V sources are host-made tensor descriptors read at (``b``, ``h_kv``; zero-filled out of
     bounds), else pointers."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
@@ -146,6 +160,8 @@ def _fwd_inner(
             ts = _tangent_logits(q, tq, k, tk_src, start_n, stride_tkn, mask_dqk, kvalid, s, b, h_kv,
                                  MASKED, EVEN_DQK, HAS_TQ, HAS_TK, DOT_PREC, TMA)
         if MASKED:
+            if HAS_MASK:  # the bias in units of the unscaled logits (scale > 0)
+                s += mask_bias(mask_src, rows, keys, n_q, n_kv, s_mm, s_mn, MASK_BOOL, MASK_ROWS) / scale
             s = tl.where(visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # (BLOCK_M,), log2 units (scale > 0)
         m_use = m_new
@@ -185,7 +201,7 @@ def _lse(m_i, l_i):
     return tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2_K)
 
 
-_FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN",
+_FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK",
             "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"]
 
 
@@ -197,10 +213,10 @@ _FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT"
 })
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP, KV_LENS, CU_Q, CU_K,
+    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP, KV_LENS, CU_Q, CU_K, MASK,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
-    s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod, s_lb, s_lh,
+    s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod, s_lb, s_lh, s_mb, s_mh, s_mm, s_mn,
     BATCH, H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, SLOTS, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, KEY_TAIL: tl.constexpr,
@@ -208,6 +224,7 @@ def _attn_fwd_kernel(
     STORE_MU: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr, TMA: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_KV_LENS: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
 ):
     if SPLIT:  # a 1-D grid: row blocks in (batch, head, block) order, then the key shards (_split.py)
         n_mb = tl.cdiv(N_Q, BLOCK_M)
@@ -290,6 +307,9 @@ def _attn_fwd_kernel(
     # a window's right edge (RIGHT), a partial last key block (KEY_TAIL).
     tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
     lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+    mask_src = MASK + b * s_mb + h * s_mh
+    if HAS_MASK:  # every block reads its tile of the mask
+        full_hi = full_lo
     if SPLIT:  # this program's shard of the key blocks: [lo, hi) (never with RIGHT or LEFT)
         per_shard = tl.cdiv(tl.cdiv(hi, BLOCK_N), shards) * BLOCK_N  # keys, a multiple of BLOCK_N
         lo = shard * per_shard
@@ -300,18 +320,21 @@ def _attn_fwd_kernel(
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, lo, full_lo, n_kv, off_r, off_l,
-            scale_log2, scale, b32, hkv32, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+            scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+            BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
     acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
         acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
         s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_lo, full_hi, n_kv, off_r, off_l,
-        scale_log2, scale, b32, hkv32, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+        scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+        BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
         HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
-    if RIGHT or KEY_TAIL:
+    if RIGHT or KEY_TAIL or HAS_MASK:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
             s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_hi, hi, n_kv, off_r, off_l,
-            scale_log2, scale, b32, hkv32, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+            scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+            BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
@@ -382,7 +405,8 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
     # tail splitting (_split.py): a 1-D grid whose last programs are key shards of the last wave
     k_bucket = length_bucket(a.n_k)  # autotune key and split policy
-    bounded = mask_flags["RIGHT"] or mask_flags["LEFT"] or a.varlen is not None  # row blocks differ in work
+    bounded = (mask_flags["RIGHT"] or mask_flags["LEFT"] or a.varlen is not None  # row blocks differ in work
+               or a.mask is not None)
     slots = split_slots(q, causal=bounded, n_k_bucket=k_bucket)
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
     scratch = (split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in BLOCK_MS}, a.n_k)
@@ -400,7 +424,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             _attn_fwd_kernel, grid,
             *inputs, o, o if to is None else to, lse, lse if mu is None else mu,
             *_scratch_args(scratch, o, lse), *seq_tensors(a, lse),
-            *[s for st in strides for s in st], *stat_strides(a),
+            *[s for st in strides for s in st], *stat_strides(a), *mask_strides(a),
             a.batch, a.h_q, a.groups, a.n_q, a.n_k, *masks, a.scale * LOG2E, a.scale, max(slots, 1),
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=k_bucket,
             D_QK=a.d_qk, D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags,

@@ -127,3 +127,23 @@ def query_blocks(n0, n_q, off_r, off_l, BLOCK_M: tl.constexpr, BLOCK_N: tl.const
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def mask_bias(base, rows, keys, n_q, n_k, s_mm, s_mn, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """The (len(rows), len(keys)) tile of an attention mask at ``base`` (one batch element and
+    head; strides ``s_mm`` along query rows, ``s_mn`` along keys) as an additive float32 bias in
+    natural-log units: a boolean mask (bytes, non-zero = attend) gives 0 or -inf, a float mask
+    itself. Without MASK_ROWS (a key-padding mask: the same for every row) one key vector is read."""
+    kin = keys < n_k
+    if MASK_ROWS:
+        x = tl.load(base + rows[:, None] * s_mm + keys[None, :] * s_mn,
+                    mask=(rows < n_q)[:, None] & kin[None, :], other=0)
+    else:
+        x = tl.load(base + keys * s_mn, mask=kin, other=0)[None, :]
+    if MASK_BOOL:
+        x = tl.where(x != 0, 0.0, float("-inf"))
+    x = x.to(tl.float32)
+    if not MASK_ROWS:
+        x = tl.broadcast_to(x, [rows.shape[0], keys.shape[0]])
+    return x

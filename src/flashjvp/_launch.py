@@ -144,18 +144,28 @@ def seq_strides(x: torch.Tensor | None, a) -> tuple[int, int, int, int]:
 
 def mask_args(a) -> tuple[tuple[int, int, int], dict]:
     """The kernels' runtime masking arguments ``(bottom_right, win_r, win_l)`` and their flags:
-    RIGHT (causal or a window's right side), LEFT (a window's left side), VARLEN."""
+    RIGHT (causal or a window's right side), LEFT (a window's left side), VARLEN, and for an
+    attention mask HAS_MASK, MASK_BOOL and MASK_ROWS (whether it differs between query rows)."""
     right, left = a.window_right, a.window_left
-    flags = dict(RIGHT=right >= 0, LEFT=left >= 0, VARLEN=a.varlen is not None)
+    m = a.mask
+    flags = dict(RIGHT=right >= 0, LEFT=left >= 0, VARLEN=a.varlen is not None, HAS_MASK=m is not None,
+                 MASK_BOOL=m is not None and m.dtype == torch.uint8,
+                 MASK_ROWS=m is not None and m.stride(2) != 0)
     return (int(a.causal == "bottom_right"), max(right, 0), max(left, 0)), flags
 
 
-def seq_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' KV_LENS, CU_Q, CU_K pointers (``stand_in`` where absent: never read)."""
+def seq_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' KV_LENS, CU_Q, CU_K and MASK pointers (``stand_in`` where absent: never read)."""
     kv = stand_in if a.kv_lens is None else a.kv_lens
+    mask = stand_in if a.mask is None else a.mask
     if a.varlen is None:
-        return kv, stand_in, stand_in
-    return kv, a.varlen.cu_q, a.varlen.cu_k
+        return kv, stand_in, stand_in, mask
+    return kv, a.varlen.cu_q, a.varlen.cu_k, mask
+
+
+def mask_strides(a) -> tuple[int, int, int, int]:
+    """(batch, head, query, key) strides of the attention mask (0 along broadcast dims)."""
+    return (0, 0, 0, 0) if a.mask is None else a.mask.stride()
 
 
 def strides_bhnd(x: torch.Tensor | None, layout: str) -> tuple[int, int, int, int]:

@@ -36,20 +36,20 @@ from flashjvp._validate import AttnArgs, check_inputs, varlen_args
 
 
 # Every operator ends with the call's options, ``options(a)``: causal, scale, layout, kv_lens,
-# window ([] or [left, right]), and for packed sequences cu_q, cu_k, max_q, max_k (the tensors
-# are then the (1, total, H, D) views).
+# window ([] or [left, right]), for packed sequences cu_q, cu_k, max_q, max_k (the tensors are then
+# the (1, total, H, D) views), and the attention mask (its (B, Hq, Nq, Nk) view, or None).
 def options(a: AttnArgs) -> tuple:
     """The operators' trailing arguments for the call ``a``."""
     vl = a.varlen
     return (a.causal, a.scale, a.layout, a.kv_lens, list(a.window or ()),
             None if vl is None else vl.cu_q, None if vl is None else vl.cu_k,
-            0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k)
+            0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k, a.mask)
 
 
 def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q,
-          max_k) -> AttnArgs:
+          max_k, mask) -> AttnArgs:
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
-                     window=tuple(window) if window else None)
+                     window=tuple(window) if window else None, attn_mask=mask)
     if cu_q is not None:  # checked by the public function: no device-to-host copy here
         a = varlen_args(a, q.device, cu_q, cu_k, max_q, max_k, check_values=False)
     return a
@@ -66,9 +66,9 @@ def _lse_like(q: Tensor, a: AttnArgs) -> Tensor:
 @torch.library.custom_op("flashjvp::fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: str | None, scale: float, layout: str,
                 kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
-                max_q: int, max_k: int) -> tuple[Tensor, Tensor]:
+                max_q: int, max_k: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(o, lse)``: o in ``layout`` (contiguous), lse (B, Hq, Nq) float32."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask)
     o, _, lse, _ = attn_fwd(q, k, v, None, None, None, a)
     return o, lse
 
@@ -83,9 +83,9 @@ def _(q, k, v, *opts):
 def attn_fwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
                     tv: Tensor | None, causal: str | None, scale: float, layout: str,
                     kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
-                    max_q: int, max_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    max_q: int, max_k: int, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(o, to, lse, mu)`` of one fused launch; ``to`` and ``mu`` are zeros without tangents."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask)
     o, to, lse, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=True)
     if to is None:
         to, mu = torch.zeros_like(o), torch.zeros_like(lse)
@@ -101,9 +101,10 @@ def _(q, k, v, tq, tk, tv, *opts):
 @torch.library.custom_op("flashjvp::bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                 causal: str | None, scale: float, layout: str, kv_lens: Tensor | None, window: list[int],
-                cu_q: Tensor | None, cu_k: Tensor | None, max_q: int, max_k: int) -> tuple[Tensor, Tensor, Tensor]:
+                cu_q: Tensor | None, cu_k: Tensor | None, max_q: int, max_k: int,
+                mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``, each with its input's shape and strides (``torch.empty_like``)."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask)
     return attn_bwd(do, q, k, v, o, lse, a)
 
 
@@ -117,11 +118,11 @@ def attn_bwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tens
                     o: Tensor, to: Tensor, lse: Tensor, mu: Tensor, do: Tensor | None, dto: Tensor | None,
                     dlse: Tensor | None, dmu: Tensor | None, causal: str | None, scale: float,
                     layout: str, kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None,
-                    cu_k: Tensor | None, max_q: int,
-                    max_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    cu_k: Tensor | None, max_q: int, max_k: int,
+                    mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dtq, dtk, dtv)`` of ``fwd_jvp``; a tangent's gradient is an empty tensor
     when the tangent is None (an operator cannot return None)."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask)
     grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a)
     return tuple(q.new_empty(0) if g is None else g for g in grads)
 
@@ -136,8 +137,8 @@ def _(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *opts):
     return (*(like(x) for x in (q, k, v)), *(q.new_empty(0) if t is None else like(t) for t in (tq, tk, tv)))
 
 
-_N_OPTIONS = 9  # the options' count: none of them is differentiable
-_TENSOR_OPTIONS = (3, 5, 6)  # kv_lens, cu_q, cu_k: saved as tensors, the rest on ctx
+_N_OPTIONS = 10  # the options' count: none of them is differentiable
+_TENSOR_OPTIONS = (3, 5, 6, 9)  # kv_lens, cu_q, cu_k, mask: saved as tensors, the rest on ctx
 
 
 def _save_options(ctx, opts) -> tuple:

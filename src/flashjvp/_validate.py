@@ -36,6 +36,9 @@ class AttnArgs:
     window: tuple[int, int] | None = None
     # packed variable-length batch (attention_varlen), or None for the dense (B, ...) layouts
     varlen: Varlen | None = field(default=None, compare=False)
+    # attention mask: a (B, Hq, Nq, Nk) view (stride 0 along broadcast dims), float32 / the inputs'
+    # dtype (added to the logits) or uint8 (a boolean mask: non-zero = attend); or None
+    mask: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def window_left(self) -> int:
@@ -128,8 +131,33 @@ def _norm_window(window) -> tuple[int, int] | None:
     return None if (left, right) == (-1, -1) else (left, right)
 
 
+def _check_mask(mask, q, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
+    """``mask`` as the kernels read it: a (B, Hq, Nq, Nk) view that repeats along broadcast dims
+    (stride 0, nothing copied), uint8 for a boolean mask."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
+    floats = (torch.float32, q.dtype)
+    if mask.dtype not in (torch.bool, torch.uint8) + floats:
+        raise TypeError(f"attn_mask: expected dtype torch.bool, torch.float32 or {q.dtype} (that of q), "
+                        f"got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"attn_mask: expected device {q.device} (the device of q), got {mask.device}")
+    if mask.requires_grad:
+        raise ValueError("attn_mask: a mask that requires grad is not supported by the kernels "
+                         "(detach it, or use flashjvp.sdpa, which computes its gradient in math)")
+    if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], shape[::-1])):
+        raise ValueError(f"attn_mask: expected a shape broadcastable to {shape} (B, Hq, Nq, Nk), "
+                         f"got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    return mask[(None,) * (4 - mask.dim())].expand(shape)
+
+
 def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
-                 layout="bhnd", allow_float64: bool = True, kv_lens=None, window=None) -> AttnArgs:
+                 layout="bhnd", allow_float64: bool = True, kv_lens=None, window=None,
+                 attn_mask=None) -> AttnArgs:
     """Validate shapes, dtypes, devices and options; return the normalised sizes.
 
     Raises ``TypeError`` for wrong types/dtypes and ``ValueError`` for wrong values or shapes,
@@ -189,7 +217,7 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
                              f"got {t.device}")
     return AttnArgs(b, h_q, h_kv, n_q, n_k, d_qk, d_v, _norm_causal(causal),
                     _norm_scale(scale, d_qk), layout, _check_kv_lens(kv_lens, b, q.device),
-                    _norm_window(window))
+                    _norm_window(window), None, _check_mask(attn_mask, q, (b, h_q, n_q, n_k)))
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device, check_values: bool) -> None:

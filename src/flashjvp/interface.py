@@ -73,7 +73,8 @@ def _ref(q, k, v, tq, tk, tv, a: AttnArgs, *, jvp: bool):
             return attention_varlen_ref(*sq[:3], *packed, **kw).unsqueeze(0)
         o, to, lse, mu = attention_varlen_jvp_ref(*sq[:3], *packed, *sq[3:], return_lse=True, **kw)
         return o.unsqueeze(0), to.unsqueeze(0), lse.unsqueeze(0), mu.unsqueeze(0)
-    kw.update(layout=a.layout, block_q=_cpu_block(q), kv_lens=a.kv_lens)
+    mask = None if a.mask is None else (a.mask.view(torch.bool) if a.mask.dtype == torch.uint8 else a.mask)
+    kw.update(layout=a.layout, block_q=_cpu_block(q), kv_lens=a.kv_lens, attn_mask=mask)
     if not jvp:
         return attention_ref(q, k, v, **kw)
     return attention_jvp_ref(q, k, v, tq, tk, tv, return_lse=True, **kw)
@@ -128,7 +129,7 @@ def _attention_jvp(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
     return o, to, lse, mu
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None, window=None):
+def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None, window=None, attn_mask=None):
     """Scaled dot-product attention ``softmax(scale * q @ k^T) @ v`` (FlashAttention).
 
     Args:
@@ -150,6 +151,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
             query i sees keys ``i + d - left <= j <= i + d + right``, where the diagonal ``d`` is
             ``Nk - Nq`` with ``causal="bottom_right"`` and 0 otherwise. With ``causal`` the right
             side is 0. Key blocks outside every row's window are skipped.
+        attn_mask: a bool (True = attend) or float (added to the scaled logits; float32 or q's
+            dtype) tensor broadcastable to (B, Hq, Nq, Nk), as in PyTorch SDPA; read tile by tile,
+            never expanded (a (B, 1, 1, Nk) mask costs one key vector per tile). It takes no
+            gradient and no tangent (one that requires grad is refused).
 
     Returns:
         o: (B, Hq, Nq, Dv) / (B, Nq, Hq, Dv), dtype of q.
@@ -158,16 +163,16 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
     ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
     """
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
-                     window=window)
+                     window=window, attn_mask=attn_mask)
     return _attention(q, k, v, a)
 
 
 def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
-                  layout="bhnd", return_lse=False, kv_lens=None, window=None):
+                  layout="bhnd", return_lse=False, kv_lens=None, window=None, attn_mask=None):
     """Attention and its forward-mode derivative in one fused kernel launch.
 
     Args:
-        q, k, v, causal, scale, layout, kv_lens, window: as in :func:`attention`.
+        q, k, v, causal, scale, layout, kv_lens, window, attn_mask: as in :func:`attention`.
         tq, tk, tv: tangents with the shapes and dtypes of q, k, v (strides may differ);
             ``None`` means zero, and the matrix products it would feed are skipped.
         return_lse: also return ``lse`` and its tangent ``mu``.
@@ -180,7 +185,7 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     backward kernels; through ``to``, ``lse`` or ``mu`` this is the second-order backward).
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
-                     allow_float64=False, kv_lens=kv_lens, window=window)
+                     allow_float64=False, kv_lens=kv_lens, window=window, attn_mask=attn_mask)
     o, to, lse, mu = _attention_jvp(q, k, v, tq, tk, tv, a, return_lse)
     return (o, to, lse, mu) if return_lse else (o, to)
 
