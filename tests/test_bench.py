@@ -232,3 +232,56 @@ def test_tiny_run_on_cpu(kernel_file, monkeypatch):
     assert got[("t", "torch-cudnn", "fwd")].skip  # no cuDNN attention on the CPU
     late = bench.run(shapes[:1], providers[:1], ["fwd"], torch.float32, time_limit=1e-9, log=lines.append)
     assert "time limit" in late[0].skip
+
+
+def test_flashjvp_path_providers(monkeypatch):
+    """flashjvp-triton / flashjvp-cudnn: flashjvp with FLASHJVP_CUDNN forced to 0 / 1 while the
+    provider is built, measured and logged (the backward of bwd and scm included), then restored."""
+    import os
+
+    import triton.testing
+
+    import flashjvp
+
+    assert bench.builtin_provider("flashjvp-triton").env == {"FLASHJVP_CUDNN": "0"}
+    cudnn = bench.builtin_provider("flashjvp-cudnn")
+    assert cudnn.env == {"FLASHJVP_CUDNN": "1"} and cudnn.modes == ("fwd", "bwd", "scm")
+    assert bench.builtin_provider("flashjvp").env is None
+    assert "flashjvp-cudnn" not in bench.DEFAULT_PROVIDERS and "flashjvp-cudnn" in bench.BUILTIN_PROVIDERS
+    monkeypatch.setenv("FLASHJVP_CUDNN", "auto")
+    with bench.provider_env(cudnn.env):
+        assert os.environ["FLASHJVP_CUDNN"] == "1"
+    assert os.environ["FLASHJVP_CUDNN"] == "auto"
+    monkeypatch.delenv("FLASHJVP_CUDNN")
+    with bench.provider_env(cudnn.env):
+        assert os.environ["FLASHJVP_CUDNN"] == "1"
+    assert "FLASHJVP_CUDNN" not in os.environ
+
+    for fn in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, fn, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2**20)
+    seen = []
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, **kw: (seen.append(("do_bench", os.environ.get("FLASHJVP_CUDNN"))), fn(), 0.5)[2])
+
+    def fwd(x):
+        seen.append(("fwd", os.environ.get("FLASHJVP_CUDNN")))
+        return flashjvp.attention_ref(x.q, x.k, x.v)
+
+    p = bench.Provider("probe", ("fwd", "bwd"), fwd=fwd, env={"FLASHJVP_CUDNN": "1"})
+    x = bench.make_inputs(Shape("t", "tiny", 1, 2, 2, 16, 16, 16), torch.float32, device="cpu")
+    rows = [bench.run_one(p, mode, x, quick=True) for mode in ("fwd", "bwd")]
+    assert all(r.ms == 0.5 for r in rows) and seen and all(v == "1" for _, v in seen)
+    assert "FLASHJVP_CUDNN" not in os.environ
+
+
+def test_path_speedups_in_report():
+    rows = [_row("1", "flashjvp-triton", "fwd", 1.2), _row("1", "flashjvp-cudnn", "fwd", 1.0),
+            _row("1", "flashjvp-triton", "bwd", 4.0), _row("1", "flashjvp-cudnn", "bwd", 3.2),
+            _row("3", "flashjvp-triton", "scm", 5.0), _row("3", "flashjvp-cudnn", "scm", skip="x")]
+    assert bench.path_speedups(rows) == {("1", "fwd"): pytest.approx(1.2), ("1", "bwd"): pytest.approx(1.25)}
+    md = bench.format_report(rows, {})
+    assert "## flashjvp's cuDNN dispatch" in md and "1.20x" in md and "1.25x" in md
+    assert "cuDNN dispatch" not in bench.format_report(_rows(), {})
+    assert bench.describe_tiles({"cudnn_sdpa_bwd": {}}) == "cudnn_sdpa_bwd"

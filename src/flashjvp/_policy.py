@@ -52,6 +52,17 @@ def tail_split_enabled() -> bool:
     return os.environ.get("FLASHJVP_TAIL_SPLIT", "1") != "0"
 
 
+def cudnn_mode() -> str:
+    """``FLASHJVP_CUDNN``, read at each call: ``"auto"`` (default: PyTorch's cuDNN attention for
+    the plain forward and backward where it is supported and listed faster, ``_cudnn.py``),
+    ``"never"`` (``0``) or ``"always"`` (``1``: wherever supported)."""
+    value = os.environ.get("FLASHJVP_CUDNN", "auto").strip().lower()
+    mode = {"auto": "auto", "": "auto", "0": "never", "never": "never", "1": "always", "always": "always"}.get(value)
+    if mode is None:
+        raise ValueError(f"FLASHJVP_CUDNN: expected one of ['auto', '0', '1', 'never', 'always'], got {value!r}")
+    return mode
+
+
 # --------------------------------------------------------------------------- sizes
 
 

@@ -11,9 +11,11 @@ See ``benchmarks/README.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import json
+import os
 import platform
 import re
 import shlex
@@ -33,7 +35,13 @@ from flashjvp._launch import LaunchLog
 
 MODES = ("fwd", "fwd_jvp", "bwd", "scm", "jvp_bwd")
 RUN_ORDER = ("fwd_jvp", "scm", "jvp_bwd", "fwd", "bwd")  # so a --time-limit cuts the least central modes
-BUILTIN_PROVIDERS = ("flashjvp", "torch-flash", "torch-cudnn", "torch-math-jvp", "jvp-flash-attention")
+BUILTIN_PROVIDERS = ("flashjvp", "torch-flash", "torch-cudnn", "torch-math-jvp", "jvp-flash-attention",
+                     "flashjvp-triton", "flashjvp-cudnn")
+# What runs without --providers: flashjvp under its default policy and the other libraries.
+DEFAULT_PROVIDERS = ("flashjvp", "torch-flash", "torch-cudnn", "torch-math-jvp", "jvp-flash-attention")
+# flashjvp with its plain forward and backward forced onto one path (FLASHJVP_CUDNN, _cudnn.py);
+# the forward+JVP is the same fused Triton kernel in both.
+FLASHJVP_PATHS = {"flashjvp-triton": {"FLASHJVP_CUDNN": "0"}, "flashjvp-cudnn": {"FLASHJVP_CUDNN": "1"}}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Live (B, H, Nq, Nk) float32 buffers of the math SDPA JVP (it upcasts half inputs to fp32).
 MATH_NXN_BUFFERS = 6
@@ -140,7 +148,9 @@ class Inputs:
 @dataclass
 class Provider:
     """``fwd(x) -> o`` and ``jvp(x) -> (o, to)``; ``check(shape)`` returns a skip reason or None;
-    ``zero_fill``: absent tangents are passed as zero tensors (allocated outside the timing)."""
+    ``zero_fill``: absent tangents are passed as zero tensors (allocated outside the timing);
+    ``env``: environment variables set while this provider is built, measured and logged (its
+    backward included)."""
 
     name: str
     modes: tuple[str, ...]
@@ -148,6 +158,25 @@ class Provider:
     jvp: Callable | None = None
     check: Callable[[Shape], str | None] | None = None
     zero_fill: bool = False
+    env: dict[str, str] | None = None
+
+
+@contextlib.contextmanager
+def provider_env(env: dict[str, str] | None):
+    """Set ``env`` for the duration of the block, then restore the previous values."""
+    if not env:
+        yield
+        return
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _sdpa(backends) -> Callable:
@@ -186,13 +215,14 @@ def builtin_provider(name: str) -> Provider:
     """A built-in provider; raises ImportError when its package is missing."""
     from torch.nn.attention import SDPBackend
 
-    if name == "flashjvp":
+    if name == "flashjvp" or name in FLASHJVP_PATHS:  # the paths: the modes a plain fwd/bwd is in
         import flashjvp
 
-        return Provider(name, MODES,
+        return Provider(name, MODES if name == "flashjvp" else ("fwd", "bwd", "scm"),
                         fwd=lambda x: flashjvp.attention(x.q, x.k, x.v, causal=x.s.causal, scale=x.s.scale),
                         jvp=lambda x: flashjvp.attention_jvp(x.q, x.k, x.v, x.tq, x.tk, x.tv,
-                                                             causal=x.s.causal, scale=x.s.scale))
+                                                             causal=x.s.causal, scale=x.s.scale),
+                        env=FLASHJVP_PATHS.get(name))
     if name == "torch-flash":
         return Provider(name, ("fwd", "bwd"), fwd=_sdpa(SDPBackend.FLASH_ATTENTION))
     if name == "torch-cudnn":
@@ -346,7 +376,7 @@ def _reason(e: BaseException, caught) -> str:
 def describe_tiles(configs: dict[str, dict]) -> str | None:
     """``kernel: BLOCK_M=.. BLOCK_N=.. num_warps=.. num_stages=..`` per launched kernel."""
     keys = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-    parts = [f"{name}: " + " ".join(f"{k}={c[k]}" for k in keys if k in c)
+    parts = [" ".join([name + ":"] + [f"{k}={c[k]}" for k in keys if k in c]).rstrip(":")
              for name, c in sorted(configs.items())]
     return "; ".join(parts) or None
 
@@ -360,7 +390,7 @@ def run_one(p: Provider, mode: str, x: Inputs, quick: bool) -> Row:
     try:
         row.skip = p.check(s) if p.check else None
         if row.skip is None:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, provider_env(p.env):
                 warnings.simplefilter("always")
                 fn, leaves = build(p, mode, x)
                 row.ms, row.peak_mib, row.first_call_s = measure(fn, leaves, quick)
@@ -423,6 +453,14 @@ def speedups(rows: list[Row], mode: str = "fwd_jvp", base: str = "flashjvp") -> 
     return {(sh, p): t / ms[(sh, base)] for (sh, p), t in ms.items() if p != base and (sh, base) in ms}
 
 
+def path_speedups(rows: list[Row], slow: str = "flashjvp-triton",
+                  fast: str = "flashjvp-cudnn") -> dict[tuple[str, str], float]:
+    """{(shape, mode): slow ms / fast ms} where both providers measured (>1: ``fast`` is faster);
+    by default flashjvp's Triton-only path against its cuDNN dispatch."""
+    ms = {(r.shape, r.mode, r.provider): r.ms for r in rows if r.ms}
+    return {(sh, m): t / ms[(sh, m, fast)] for (sh, m, p), t in ms.items() if p == slow and (sh, m, fast) in ms}
+
+
 def skip_speedups(rows: list[Row]) -> list[tuple[str, str, str, float, float, float]]:
     """fwd_jvp with tk = tv = None against the same shape with all tangents, per provider:
     (provider, q-only shape, all-tangents shape, ms q-only, ms all, speedup)."""
@@ -460,6 +498,14 @@ def format_report(rows: list[Row], meta: dict) -> str:
                     for sh in shapes]
             parts += [f"## flashjvp speedup, {mode} (provider ms / flashjvp ms)",
                       _md_table(["shape"] + others, body)]
+    ps = path_speedups(rows)
+    if ps:
+        shapes = list(dict.fromkeys(sh for sh, _ in ps))
+        modes = [m for m in MODES if any(m == mm for _, mm in ps)]
+        body = [[sh] + [_fmt(ps.get((sh, m)), ".2f") + ("x" if (sh, m) in ps else "") for m in modes]
+                for sh in shapes]
+        parts += ["## flashjvp's cuDNN dispatch (flashjvp-triton ms / flashjvp-cudnn ms; > 1: cuDNN faster)",
+                  _md_table(["shape"] + modes, body)]
     sk = skip_speedups(rows)
     if sk:
         body = [[p, f"{a} vs {b}", f"{ta:.3f}", f"{tb:.3f}", f"{x:.2f}x"] for p, a, b, ta, tb, x in sk]
@@ -562,8 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
                                              "attention kernels; see benchmarks/README.md.")
     ap.add_argument("--shapes", nargs="+", help="shape ids or names (space/comma separated); default all")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    ap.add_argument("--providers", nargs="+", choices=BUILTIN_PROVIDERS, default=list(BUILTIN_PROVIDERS),
-                    help="built-in providers (kernels given with --kernel always run)")
+    ap.add_argument("--providers", nargs="+", choices=BUILTIN_PROVIDERS, default=list(DEFAULT_PROVIDERS),
+                    help="built-in providers (default: all but flashjvp-triton and flashjvp-cudnn, flashjvp "
+                         "with FLASHJVP_CUDNN=0 / =1 in modes fwd, bwd, scm; kernels given with --kernel always run)")
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=FILE.py:ATTR",
                     help="extra kernel attr(q, k, v, tq, tk, tv, causal, scale) -> (o, to); repeatable")
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")

@@ -1,0 +1,622 @@
+"""The plain forward and backward through PyTorch's cuDNN attention (``_cudnn.py``, issue 24).
+
+On the GPU (marked ``gpu``; skipped where cuDNN attention is not usable): cuDNN's forward and
+backward against the float64 reference; the backward fed with the ``(o, lse)`` of flashjvp's
+fused forward+JVP kernel (the MeanFlow pattern), and the LSE conversion shown to be a view of the
+very bytes cuDNN's forward writes; the ``FLASHJVP_CUDNN`` switch through the public
+``flashjvp.attention`` (which path ran is read from ``LaunchLog``); unsupported calls never
+reaching cuDNN; a cuDNN failure falling back to Triton once and for all.
+
+On the CPU: the switch's parsing, the predicate's refusals, the ``auto`` policy and the refusal
+memory (with the predicate stubbed), and the layout plumbing of both calls on meta tensors
+(PyTorch's meta functions of the cuDNN operators give their output shapes and strides).
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import flashjvp
+from flashjvp import _cudnn
+from flashjvp._cudnn import (
+    contiguous_strides,
+    cudnn_bwd,
+    cudnn_fwd,
+    cudnn_supported,
+    dispatch_bwd,
+    dispatch_fwd,
+    listed_faster,
+    matching_layout_strides,
+    stats_rank,
+    use_cudnn,
+    with_strides,
+)
+from flashjvp._launch import LaunchLog
+from flashjvp._policy import cudnn_mode
+from flashjvp._validate import check_inputs
+from helpers import DTYPE_IDS, ON_GPU, assert_close, f64, grad_refs, jvp_refs, make_qkv
+
+HALF = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)]
+LAYOUTS = ["bhnd", "bnhd"]
+# memory kinds cuDNN takes without copies (helpers.make_tensor): "sliced" and "strided" it refuses
+KINDS = ("contiguous", "swapped")
+
+
+def _cudnn_ready() -> bool:
+    if not ON_GPU:
+        return False
+    return _cudnn._backend_ok() and _cudnn._arch_ok(torch.cuda.current_device())
+
+
+def needs_cudnn(fn):
+    """A GPU test that needs PyTorch's cuDNN attention as flashjvp uses it."""
+    skip = pytest.mark.skipif(not _cudnn_ready(), reason="PyTorch's cuDNN attention is not usable here (needs "
+                              "cuDNN >= 9, the expected operator schemas and an sm90 GPU)")
+    return pytest.mark.gpu(skip(fn))
+
+
+def fwd_refs(q, k, v, **kw):
+    """(o, lse) of attention_ref in float64 and in the input dtype."""
+    truth = flashjvp.attention_ref(*f64((q, k, v)), return_lse=True, **kw)
+    lowp = flashjvp.attention_ref(q, k, v, return_lse=True, **kw)
+    return truth, lowp
+
+
+def check_grads(grads, q, k, v, do, dtype, **kw):
+    truth, lowp = grad_refs(q, k, v, do, **kw)
+    for name, g, x, ref, ref_lp in zip(("dq", "dk", "dv"), grads, (q, k, v), truth, lowp):
+        assert g.stride() == torch.empty_like(x).stride(), f"{name}: strides {g.stride()}"
+        assert_close(name, g, ref, ref_lp, dtype)
+
+
+# --------------------------------------------------------------------------- GPU: the calls
+
+# (B, Hq, Hkv, Nq, Nk, D, causal)
+CASES = [
+    pytest.param((2, 3, 3, 37, 37, 64, False), id="n37-d64"),
+    pytest.param((2, 3, 3, 37, 37, 64, True), id="n37-d64-causal"),
+    pytest.param((1, 4, 4, 999, 999, 128, False), id="n999-d128"),
+    pytest.param((1, 4, 4, 999, 999, 128, True), id="n999-d128-causal"),
+    pytest.param((1, 2, 2, 1000, 1000, 64, "top_left"), id="n1000-d64-tl"),
+    pytest.param((1, 2, 2, 1000, 1000, 128, "bottom_right"), id="n1000-d128-br"),
+    pytest.param((1, 2, 2, 257, 1000, 64, False), id="ca257x1000-d64"),
+    pytest.param((2, 2, 2, 1000, 37, 128, False), id="ca1000x37-d128"),
+    pytest.param((1, 2, 2, 300, 1000, 64, "top_left"), id="ca300x1000-d64-tl"),
+    pytest.param((1, 2, 2, 1000, 300, 128, "top_left"), id="ca1000x300-d128-tl"),
+    pytest.param((1, 8, 2, 999, 999, 128, True), id="gqa4-n999-d128-causal"),
+    pytest.param((2, 4, 1, 515, 1000, 64, False), id="mqa-515x1000-d64"),
+    pytest.param((1, 2, 2, 999, 999, 32, True), id="n999-d32-causal"),
+]
+
+
+@needs_cudnn
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", CASES)
+def test_cudnn_forward_backward(case, layout, dtype):
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v = make_qkv(b, hq, hkv, nq, nk, d, d, layout, dtype, kinds=KINDS, tangents=False)
+    a = check_inputs(q, k, v, causal=causal, layout=layout)
+    assert cudnn_supported(q, k, v, a) and cudnn_supported(q, k, v, a, backward=True)
+    o, lse = cudnn_fwd(q, k, v, a)
+    assert o.stride() == contiguous_strides(o.shape)  # attn_fwd's contract (the fake tensors')
+    assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32 and lse.is_contiguous()
+    truth, lowp = fwd_refs(q, k, v, causal=causal, layout=layout)
+    assert_close("o", o, truth[0], lowp[0], dtype)
+    assert_close("lse", lse, truth[1], lowp[1], dtype)
+    do = torch.randn_like(o)
+    check_grads(cudnn_bwd(do, q, k, v, o, lse, a), q, k, v, do, dtype, causal=causal, layout=layout)
+
+
+
+@needs_cudnn
+@pytest.mark.parametrize("dtype", HALF)
+def test_cudnn_packed_qkv(dtype):
+    """bnhd views of one packed (B, N, 3, H, D) tensor (``qkv.unbind(2)``), and a dO whose
+    strides differ from o's (copied to o's layout for cuDNN)."""
+    qkv = torch.randn(2, 777, 3, 4, 64, device="cuda").to(dtype)
+    q, k, v = qkv.unbind(2)
+    a = check_inputs(q, k, v, causal=True, layout="bnhd")
+    assert cudnn_supported(q, k, v, a, backward=True)
+    o, lse = cudnn_fwd(q, k, v, a)
+    assert o.stride() == contiguous_strides(o.shape)
+    truth, lowp = fwd_refs(q, k, v, causal=True, layout="bnhd")
+    assert_close("o", o, truth[0], lowp[0], dtype)
+    do = torch.randn(2, 4, 777, 64, device="cuda").to(dtype).transpose(1, 2)  # bhnd storage
+    check_grads(cudnn_bwd(do, q, k, v, o, lse, a), q, k, v, do, dtype, causal=True, layout="bnhd")
+
+
+
+# --------------------------------------------------------------------------- GPU: the MeanFlow pattern
+
+MEANFLOW_CASES = [
+    pytest.param((2, 4, 4, 1000, 1000, 64, True), id="n1000-d64-causal"),
+    pytest.param((1, 4, 4, 999, 999, 128, False), id="n999-d128"),
+    pytest.param((1, 8, 2, 1024, 1024, 128, True), id="gqa4-n1024-d128-causal"),
+    pytest.param((1, 2, 2, 257, 1000, 64, False), id="ca257x1000-d64"),
+]
+
+
+@needs_cudnn
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", MEANFLOW_CASES)
+def test_cudnn_backward_from_fused_jvp_forward(case, layout, dtype):
+    """cuDNN's backward from the o and lse of flashjvp's fused forward+JVP (Triton) kernel."""
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v, tq, tk, tv = make_qkv(b, hq, hkv, nq, nk, d, d, layout, dtype, kinds=KINDS)
+    o, to, lse, mu = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout, return_lse=True)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=causal, layout=layout)
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), (o, to, lse, mu), truth, lowp):
+        assert_close(name, got, ref, ref_lp, dtype)
+    a = check_inputs(q, k, v, causal=causal, layout=layout)
+    do = torch.randn_like(o)
+    check_grads(cudnn_bwd(do, q, k, v, o, lse, a), q, k, v, do, dtype, causal=causal, layout=layout)
+
+
+
+@needs_cudnn
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lse_conversion_is_exact(monkeypatch, layout):
+    """cuDNN's own forward LSE and what cudnn_bwd hands its backward: the same bytes with the same
+    shape and strides. flashjvp's (B, H, Nq) LSE becomes cuDNN's (B, H, Nq, 1) as a view."""
+    monkeypatch.setenv("FLASHJVP_CUDNN", "0")  # flashjvp's own forward below
+    q, k, v = make_qkv(2, 4, 2, 999, 1000, 64, 64, layout, torch.bfloat16, kinds=KINDS, tangents=False)
+    a = check_inputs(q, k, v, causal=True, layout=layout)
+    view = (lambda x: x) if layout == "bhnd" else (lambda x: x.transpose(1, 2))
+    raw = torch.ops.aten._scaled_dot_product_cudnn_attention(view(q), view(k), view(v), None, True, 0.0, True,
+                                                            False, scale=a.scale)
+    o, lse = cudnn_fwd(q, k, v, a)
+    assert stats_rank() == raw[1].dim() and raw[1].shape[:3] == (2, 4, 999) and raw[1].dtype == torch.float32
+    assert torch.equal(view(o), raw[0]) and torch.equal(lse, raw[1].reshape(2, 4, 999))
+    stats = lse.view(raw[1].shape)  # what cudnn_bwd passes: (2, 4, 999, 1)
+    assert stats.data_ptr() == lse.data_ptr() and stats.stride() == raw[1].stride() and torch.equal(stats, raw[1])
+    # flashjvp's own LSE has the same layout and agrees with cuDNN's to float32 rounding
+    _, _, lse_t, _ = flashjvp.attention_jvp(q, k, v, None, None, None, causal=True, layout=layout, return_lse=True)
+    assert lse_t.shape == lse.shape and lse_t.stride() == lse.stride() and lse_t.dtype == lse.dtype
+    torch.testing.assert_close(lse_t, lse, rtol=1e-5, atol=1e-4)
+
+
+@needs_cudnn
+@pytest.mark.parametrize("dtype", HALF)
+def test_meanflow_pattern_through_attention(monkeypatch, dtype):
+    """torch.func.jvp through flashjvp.attention (fused forward+JVP kernel), then gradients through
+    its o: with FLASHJVP_CUDNN=1 the backward runs on cuDNN from the fused kernel's o and lse."""
+    monkeypatch.setenv("FLASHJVP_CUDNN", "1")
+    q, k, v, tq, tk, tv = make_qkv(1, 4, 4, 1024, 1024, 64, 64, "bnhd", dtype, kinds=KINDS)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with LaunchLog() as log:
+        o, to = torch.func.jvp(lambda q_, k_, v_: flashjvp.attention(q_, k_, v_, causal=True, layout="bnhd"),
+                               tuple(leaves), (tq, tk, tv))
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, leaves, do)
+    assert log.count("_attn_fwd_kernel", HAS_TQ=True) >= 1 and log.count("cudnn_sdpa_fwd") == 0
+    assert log.count("cudnn_sdpa_bwd") == 1 and log.count("_attn_bwd_dq_kernel") == 0
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, causal=True, layout="bnhd")
+    assert_close("o", o, truth[0], lowp[0], dtype)
+    assert_close("to", to, truth[1], lowp[1], dtype)
+    check_grads(grads, q, k, v, do, dtype, causal=True, layout="bnhd")
+
+
+
+# --------------------------------------------------------------------------- GPU: the switch
+
+
+@needs_cudnn
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", ["0", "1", "auto", "never", "always"])
+@pytest.mark.parametrize("case", [pytest.param((1, 4, 4, 1024, 1024, 64, True), id="n1024-d64-causal"),
+                                  pytest.param((2, 2, 2, 37, 37, 128, False), id="n37-d128")])
+def test_switch_through_attention(monkeypatch, case, mode, layout, dtype):
+    """flashjvp.attention, forward without grad and forward + backward with grad, under each
+    FLASHJVP_CUDNN value: the expected path runs and the results agree with the reference."""
+    monkeypatch.setenv("FLASHJVP_CUDNN", mode)
+    b, hq, hkv, nq, nk, d, causal = case
+    q, k, v = make_qkv(b, hq, hkv, nq, nk, d, d, layout, dtype, kinds=KINDS, tangents=False)
+    a = check_inputs(q, k, v, causal=causal, layout=layout)
+    forced = {"0": False, "never": False, "1": True, "always": True}
+    auto = torch.backends.cuda.cudnn_sdp_enabled()
+    want_fwd = forced.get(mode, auto and listed_faster(dtype, a, backward=False))
+    want_bwd = forced.get(mode, auto and listed_faster(dtype, a, backward=True))
+    truth, lowp = fwd_refs(q, k, v, causal=causal, layout=layout)
+    with LaunchLog() as log, torch.no_grad():
+        o = flashjvp.attention(q, k, v, causal=causal, layout=layout)
+    assert log.count("cudnn_sdpa_fwd") == int(want_fwd)
+    assert (log.count("_attn_fwd_kernel") == 0) == want_fwd
+    assert_close("o", o, truth[0], lowp[0], dtype)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with LaunchLog() as log:
+        o = flashjvp.attention(*leaves, causal=causal, layout=layout)
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, leaves, do)
+    assert log.count("cudnn_sdpa_fwd") == int(want_fwd) and log.count("cudnn_sdpa_bwd") == int(want_bwd)
+    assert (log.count("_attn_bwd_dq_kernel") == 0) == want_bwd
+    assert_close("o", o, truth[0], lowp[0], dtype)
+    check_grads(grads, q, k, v, do, dtype, causal=causal, layout=layout)
+
+
+
+@needs_cudnn
+@pytest.mark.parametrize("mode", ["0", "1"])
+def test_switch_compiled(monkeypatch, mode):
+    """torch.compile(fullgraph=True) forward and backward (the flashjvp::fwd / ::bwd operators, whose
+    fake tensors promise attn_fwd's and attn_bwd's strides) under both forced paths."""
+    monkeypatch.setenv("FLASHJVP_CUDNN", mode)
+    dtype = torch.bfloat16
+    qkv = torch.randn(2, 1024, 3, 4, 64, device="cuda").to(dtype)
+    q, k, v = (x.detach().requires_grad_() for x in qkv.unbind(2))
+
+    @torch.compile(fullgraph=True)
+    def f(q, k, v):
+        return flashjvp.attention(q, k, v, causal=True, layout="bnhd") * 2
+
+    with LaunchLog() as log:
+        o = f(q, k, v)
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+    assert (log.count("cudnn_sdpa_fwd") >= 1) == (mode == "1")
+    assert (log.count("cudnn_sdpa_bwd") >= 1) == (mode == "1")
+    truth, lowp = fwd_refs(q, k, v, causal=True, layout="bnhd")
+    assert_close("o", o / 2, truth[0], lowp[0], dtype)
+    check_grads([g / 2 for g in grads], q, k, v, do, dtype, causal=True, layout="bnhd")
+
+
+
+# --------------------------------------------------------------------------- GPU: never cuDNN
+
+
+def _unsupported_cases():
+    """(name, q, k, v, AttnArgs, runnable through flashjvp.attention) that cuDNN must never get."""
+    bf = torch.bfloat16
+    qkv = lambda *shape, **kw: make_qkv(*shape, tangents=False, **kw)  # noqa: E731
+    out = []
+    q, k, v = qkv(2, 2, 2, 512, 512, 64, 64, "bhnd", bf, kinds=KINDS)
+    lens = torch.tensor([100, 512], device="cuda")
+    out.append(("kv_lens", q, k, v, check_inputs(q, k, v, kv_lens=lens), dict(kv_lens=lens)))
+    out.append(("window", q, k, v, check_inputs(q, k, v, window=(64, 64)), None))
+    out.append(("bottom_right Nq != Nk", *(x := qkv(1, 2, 2, 300, 512, 64, 64, "bhnd", bf, kinds=KINDS)),
+                check_inputs(*x, causal="bottom_right"), dict(causal="bottom_right")))
+    out.append(("D=40", *(x := qkv(1, 2, 2, 512, 512, 40, 40, "bhnd", bf, kinds=KINDS)), check_inputs(*x), {}))
+    out.append(("D=256", *(x := qkv(1, 2, 2, 512, 512, 256, 256, "bhnd", bf, kinds=KINDS)), check_inputs(*x), {}))
+    out.append(("Dqk != Dv", *(x := qkv(1, 2, 2, 512, 512, 64, 128, "bhnd", bf, kinds=KINDS)), check_inputs(*x), {}))
+    out.append(("fp32", *(x := qkv(1, 2, 2, 512, 512, 64, 64, "bhnd", torch.float32, kinds=KINDS)),
+                check_inputs(*x), {}))
+    out.append(("Nk=1", *(x := qkv(1, 2, 2, 512, 1, 64, 64, "bhnd", bf, kinds=KINDS)), check_inputs(*x), {}))
+    out.append(("strided head dim", *(x := qkv(1, 2, 2, 512, 512, 64, 64, "bhnd", bf, kinds=("strided",))),
+                check_inputs(*x), {}))
+    out.append(("misaligned", *(x := qkv(1, 2, 2, 512, 512, 64, 64, "bnhd", bf, kinds=("sliced",))),
+                check_inputs(*x, layout="bnhd"), dict(layout="bnhd")))
+    return out
+
+
+@needs_cudnn
+def test_unsupported_never_reach_cudnn(monkeypatch):
+    monkeypatch.setenv("FLASHJVP_CUDNN", "1")
+    for name, q, k, v, a, kw in _unsupported_cases():
+        assert not cudnn_supported(q, k, v, a), name
+        assert not cudnn_supported(q, k, v, a, backward=True), name
+        assert not use_cudnn(q, k, v, a, backward=False) and not use_cudnn(q, k, v, a, backward=True), name
+        if kw is None:  # not a call flashjvp.attention takes
+            continue
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        with LaunchLog() as log:
+            o = flashjvp.attention(*leaves, **kw)
+            do = torch.randn_like(o)
+            grads = torch.autograd.grad(o, leaves, do)
+        assert log.count("cudnn_sdpa_fwd") == log.count("cudnn_sdpa_bwd") == 0, name
+        truth, lowp = fwd_refs(q, k, v, **kw)
+        assert_close(f"{name}: o", o, truth[0], lowp[0], q.dtype)
+        check_grads(grads, q, k, v, do, q.dtype, **kw)
+
+
+
+@needs_cudnn
+def test_deterministic_mode_keeps_backward_on_triton():
+    q, k, v = make_qkv(1, 2, 2, 1024, 1024, 64, 64, "bhnd", torch.bfloat16, kinds=KINDS, tangents=False)
+    a = check_inputs(q, k, v)
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert cudnn_supported(q, k, v, a) and not cudnn_supported(q, k, v, a, backward=True)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+    assert cudnn_supported(q, k, v, a, backward=True)
+
+
+
+@needs_cudnn
+def test_cudnn_failure_falls_back_once(monkeypatch):
+    """cuDNN raising: one warning, the Triton result, and the shape class never tried again."""
+    monkeypatch.setenv("FLASHJVP_CUDNN", "1")
+    monkeypatch.setattr(_cudnn, "_REFUSED", {})
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("cuDNN Frontend error: no valid engine (simulated)")
+
+    monkeypatch.setattr(_cudnn, "_ops", lambda: (fail, fail))
+    q, k, v = make_qkv(1, 2, 2, 1024, 1024, 64, 64, "bhnd", torch.bfloat16, kinds=KINDS, tangents=False)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with pytest.warns(RuntimeWarning, match="cuDNN attention forward failed"):
+        o = flashjvp.attention(*leaves, causal=True)
+    do = torch.randn_like(o)
+    with warnings.catch_warnings():  # the backward may warn on the autograd engine's thread
+        warnings.simplefilter("ignore")
+        grads = torch.autograd.grad(o, leaves, do)
+    assert len(calls) == 2 and len(_cudnn._REFUSED) == 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = flashjvp.attention(*leaves, causal=True)
+        grads = torch.autograd.grad(o, leaves, do)
+    assert len(calls) == 2 and not [w for w in caught if "cuDNN" in str(w.message)]  # not tried again
+    truth, lowp = fwd_refs(q, k, v, causal=True)
+    assert_close("o", o, truth[0], lowp[0], torch.bfloat16)
+    check_grads(grads, q, k, v, do, torch.bfloat16, causal=True)
+
+
+# --------------------------------------------------------------------------- CPU: switch and policy
+
+
+def test_cudnn_mode(monkeypatch):
+    monkeypatch.delenv("FLASHJVP_CUDNN", raising=False)
+    assert cudnn_mode() == "auto"
+    for value, mode in (("auto", "auto"), ("0", "never"), ("never", "never"), ("1", "always"),
+                        ("ALWAYS", "always"), (" 0 ", "never")):
+        monkeypatch.setenv("FLASHJVP_CUDNN", value)
+        assert cudnn_mode() == mode, value
+    monkeypatch.setenv("FLASHJVP_CUDNN", "yes")
+    with pytest.raises(ValueError, match="FLASHJVP_CUDNN"):
+        cudnn_mode()
+
+
+def _cpu_args(n=1024, d=64, dtype=torch.bfloat16, **kw):
+    q, k, v = (torch.randn(1, 2, n, d, dtype=dtype) for _ in range(3))
+    return q, k, v, check_inputs(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("mode", ["auto", "0", "1"])
+def test_cpu_tensors_never_use_cudnn(monkeypatch, mode):
+    monkeypatch.setenv("FLASHJVP_CUDNN", mode)
+    q, k, v, a = _cpu_args()
+    assert not cudnn_supported(q, k, v, a) and not cudnn_supported(q, k, v, a, backward=True)
+    assert not use_cudnn(q, k, v, a, backward=False) and not use_cudnn(q, k, v, a, backward=True)
+    assert dispatch_fwd(q, k, v, a) is None
+    assert dispatch_bwd(q, q, k, v, q, torch.zeros(1, 2, 1024), a) is None
+
+
+def test_use_cudnn_modes(monkeypatch):
+    """With the predicate stubbed to True: 0 never, 1 always, auto only where CUDNN_FASTER lists
+    the case (and PyTorch's cuDNN SDPA is enabled)."""
+    monkeypatch.setattr(_cudnn, "cudnn_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(_cudnn, "_REFUSED", {})
+    listed = _cpu_args(1024, 64)
+    unlisted = _cpu_args(256, 64)
+    for backward in (False, True):
+        monkeypatch.setenv("FLASHJVP_CUDNN", "0")
+        assert not use_cudnn(*listed, backward=backward)
+        monkeypatch.setenv("FLASHJVP_CUDNN", "1")
+        assert use_cudnn(*listed, backward=backward) and use_cudnn(*unlisted, backward=backward)
+        monkeypatch.setenv("FLASHJVP_CUDNN", "auto")
+        assert use_cudnn(*listed, backward=backward) == listed_faster(torch.bfloat16, listed[3], backward=backward)
+        assert not use_cudnn(*unlisted, backward=backward)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+    for backward in (False, True):
+        assert not use_cudnn(*listed, backward=backward)  # auto respects PyTorch's cuDNN SDPA switch
+        monkeypatch.setenv("FLASHJVP_CUDNN", "1")
+        assert use_cudnn(*listed, backward=backward)  # forcing does not
+        monkeypatch.setenv("FLASHJVP_CUDNN", "auto")
+
+
+def test_auto_policy_table():
+    q, k, v, a = _cpu_args(1024, 64)
+    for backward in (False, True):
+        assert listed_faster(torch.bfloat16, a, backward=backward)
+        assert listed_faster(torch.float16, a, backward=backward)
+        assert not listed_faster(torch.float32, a, backward=backward)
+        assert listed_faster(torch.bfloat16, _cpu_args(1024, 128, causal=True)[3], backward=backward)
+        assert not listed_faster(torch.bfloat16, _cpu_args(512, 64)[3], backward=backward)
+        assert not listed_faster(torch.bfloat16, _cpu_args(1024, 72)[3], backward=backward)
+
+
+def test_refusal_is_remembered(monkeypatch):
+    """A failing cuDNN call: None (the caller runs Triton), one warning, the shape class refused
+    from then on; an out-of-memory error is not a refusal."""
+    monkeypatch.setenv("FLASHJVP_CUDNN", "1")
+    monkeypatch.setattr(_cudnn, "cudnn_supported", lambda *args, **kwargs: True)
+    monkeypatch.setattr(_cudnn, "_REFUSED", {})
+    q, k, v, a = _cpu_args()
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr(_cudnn, "_ops", lambda: (oom, oom))
+    assert dispatch_fwd(q, k, v, a) is None and not _cudnn._REFUSED
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no engine (simulated)")
+
+    monkeypatch.setattr(_cudnn, "_ops", lambda: (fail, fail))
+    with pytest.warns(RuntimeWarning, match="forward failed"):
+        assert dispatch_fwd(q, k, v, a) is None
+    assert list(_cudnn._REFUSED) == [_cudnn.refusal_key(q, a, False)]
+    assert not use_cudnn(q, k, v, a, backward=False) and use_cudnn(q, k, v, a, backward=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch_fwd(q, k, v, a) is None  # not tried: no second warning
+    # another length bucket of the same heads and dims is tried
+    q2, k2, v2, a2 = _cpu_args(4096)
+    assert use_cudnn(q2, k2, v2, a2, backward=False)
+
+
+def test_predicate_rules(monkeypatch):
+    """cudnn_supported's argument rules on the CPU: q is a tensor subclass that reports a CUDA
+    device, the device, backend and stride checks are stubbed to pass."""
+    monkeypatch.setattr(_cudnn, "_backend_ok", lambda: True)
+    monkeypatch.setattr(_cudnn, "_arch_ok", lambda index: True)
+    monkeypatch.setattr(_cudnn, "_strides_ok", lambda x: True)
+
+    class Cuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    def case(n_q=512, n_k=512, d=64, dv=None, dtype=torch.bfloat16, hkv=2, **kw):
+        q = torch.randn(1, 2, n_q, d, dtype=dtype)
+        k = torch.randn(1, hkv, n_k, d, dtype=dtype)
+        v = torch.randn(1, hkv, n_k, dv or d, dtype=dtype)
+        return q.as_subclass(Cuda), k, v, check_inputs(q, k, v, **kw)
+
+    assert cudnn_supported(*case())
+    assert cudnn_supported(*case(hkv=1, causal=True))  # GQA, causal
+    assert cudnn_supported(*case(n_q=300, causal="top_left"))
+    assert cudnn_supported(*case(causal="bottom_right"))  # Nq == Nk: same as top-left
+    assert not cudnn_supported(*case(n_q=300, causal="bottom_right"))
+    assert not cudnn_supported(*case(kv_lens=torch.tensor([100])))
+    assert not cudnn_supported(*case(window=(16, 16)))
+    assert not cudnn_supported(*case(d=40))
+    assert not cudnn_supported(*case(d=72))
+    assert cudnn_supported(*case(d=32)) and cudnn_supported(*case(d=128))
+    assert not cudnn_supported(*case(d=256))
+    assert not cudnn_supported(*case(d=64, dv=128))
+    assert not cudnn_supported(*case(dtype=torch.float32))
+    assert not cudnn_supported(*case(n_k=1))
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
+    assert not cudnn_supported(*case())
+
+
+def test_strides_rule():
+    ok = _cudnn._strides_ok
+    x = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16)
+    assert ok(x) and ok(x.transpose(1, 2))
+    assert ok(torch.randn(2, 5, 3, 4, 64, dtype=torch.bfloat16).unbind(2)[1])  # packed qkv
+    assert not ok(torch.randn(2, 8, 4, 128, dtype=torch.bfloat16)[..., ::2])  # head dim stride 2
+    assert not ok(torch.randn(2, 8, 4, 72, dtype=torch.bfloat16)[..., 3:67])  # pointer off 16 bytes
+    assert not ok(torch.randn(2, 8, 4, 68, dtype=torch.bfloat16)[..., :64])  # row stride 68
+    assert not ok(torch.randn(2, 1, 4, 64, dtype=torch.bfloat16).expand(2, 8, 4, 64))  # broadcast heads
+
+
+def test_stride_helpers():
+    q = torch.randn(2, 5, 3, 4, 64).unbind(2)[0].transpose(1, 2)  # packed bnhd, as a (B, H, N, D) view
+    assert matching_layout_strides(q, (2, 4, 5, 32)) == (5 * 4 * 32, 32, 4 * 32, 1)
+    assert matching_layout_strides(torch.empty(2, 4, 5, 64), (2, 4, 5, 32)) == contiguous_strides((2, 4, 5, 32))
+    x = torch.randn(2, 1, 5, 8)
+    assert with_strides(x, x.stride()) is x
+    y = with_strides(x, (40, 999, 8, 1))  # a size-1 dim's stride: a view
+    assert y.stride() == (40, 999, 8, 1) and y.data_ptr() == x.data_ptr() and torch.equal(y, x)
+    z = with_strides(x.transpose(2, 3), contiguous_strides((2, 1, 8, 5)))  # a copy
+    assert z.is_contiguous() and torch.equal(z, x.transpose(2, 3))
+    assert _cudnn.empty_like_strides(q.transpose(1, 2)) == contiguous_strides((2, 5, 4, 64))
+    assert _cudnn.empty_like_strides(x.transpose(2, 3)) == x.transpose(2, 3).stride()
+
+
+# --------------------------------------------------------------------------- CPU: layouts on meta tensors
+
+META_LAYOUTS = [("bhnd", "contiguous"), ("bhnd", "swapped"), ("bnhd", "contiguous"), ("bnhd", "swapped"),
+                ("bnhd", "packed")]
+
+
+@pytest.mark.skipif(_cudnn.cudnn_ops() is None, reason="this PyTorch lacks the expected cuDNN SDPA schemas")
+@pytest.mark.parametrize("layout,kind", META_LAYOUTS)
+@pytest.mark.parametrize("hkv", [4, 2])
+def test_layout_plumbing_on_meta(layout, kind, hkv):
+    """cudnn_fwd and cudnn_bwd through the operators' meta functions: o contiguous in the call's
+    layout, lse (B, H, Nq) contiguous float32, gradients with torch.empty_like's strides."""
+    from flashjvp._launch import empty_out
+
+    b, hq, nq, nk, d = 2, 4, 37, 50, 64
+    meta = lambda *s: torch.empty(*s, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    if kind == "packed":
+        nk = nq
+        hkv = hq
+        q, k, v = meta(b, nq, 3, hq, d).unbind(2)
+    else:
+        def make(h, n):
+            shape = (b, h, n, d) if layout == "bhnd" else (b, n, h, d)
+            return meta(*shape) if kind == "contiguous" else meta(shape[0], shape[2], shape[1], d).transpose(1, 2)
+        q, k, v = make(hq, nq), make(hkv, nk), make(hkv, nk)
+    a = check_inputs(q, k, v, causal=True, layout=layout)
+    o, lse = cudnn_fwd(q, k, v, a)
+    want = empty_out(b, hq, nq, d, layout, q)
+    assert o.shape == want.shape and o.stride() == want.stride()
+    assert lse.shape == (b, hq, nq) and lse.is_contiguous() and lse.dtype == torch.float32
+    do = meta(o.shape[0], o.shape[2], o.shape[1], d).transpose(1, 2)  # strides unlike o's
+    grads = cudnn_bwd(do, q, k, v, o, lse, a)
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and g.stride() == torch.empty_like(x).stride()
+
+
+# --------------------------------------------------------------------------- CPU: a math stand-in for cuDNN
+
+
+def _math_cudnn_ops():
+    """CPU stand-ins with the cuDNN operators' conventions: (B, H, N, D) tensors, Hkv dividing Hq,
+    top-left causal, a natural-log (B, H, Nq, 1) float32 LSE, o in q's dimension order; the backward
+    recomputes P from the LSE it is given (as cuDNN does) and checks what it receives."""
+
+    def scores(q, k, is_causal, scale):
+        g = q.shape[1] // k.shape[1]
+        s = q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2) * scale
+        if is_causal:
+            i = torch.arange(q.shape[2])[:, None]
+            s = s.masked_fill(torch.arange(k.shape[2])[None, :] > i, float("-inf"))
+        return s, g
+
+    def fwd(q, k, v, attn_bias, compute_lse, dropout_p, is_causal, debug, *, scale):
+        assert attn_bias is None and compute_lse and dropout_p == 0.0 and not debug
+        s, g = scores(q, k, is_causal, scale)
+        lse = torch.logsumexp(s, -1, keepdim=True)
+        o = torch.exp(s - lse) @ v.double().repeat_interleave(g, 1)
+        shape = (*q.shape[:3], v.shape[3])
+        out = torch.empty_strided(shape, matching_layout_strides(q, shape), dtype=q.dtype).copy_(o)
+        return out, lse.float(), None, None, q.shape[2], k.shape[2], None, None, None
+
+    def bwd(do, q, k, v, o, stats, seed, offset, bias, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, *, scale):
+        b, h, nq, _ = q.shape
+        assert stats.shape == (b, h, nq, 1) and stats.stride() == contiguous_strides(stats.shape)
+        assert stats.dtype == torch.float32 and o.stride() == do.stride() == matching_layout_strides(q, o.shape)
+        assert (max_q, max_k, dropout_p, bias, cum_q, cum_k) == (nq, k.shape[2], 0.0, None, None, None)
+        s, g = scores(q, k, is_causal, scale)
+        p = torch.exp(s - stats.double())
+        vg = v.double().repeat_interleave(g, 1)
+        ds = p * (do.double() @ vg.transpose(-1, -2) - (do.double() * o.double()).sum(-1, keepdim=True))
+        dq = ds @ k.double().repeat_interleave(g, 1) * scale
+        fold = lambda x: x.unflatten(1, (k.shape[1], g)).sum(2)  # noqa: E731
+        dk = fold(ds.transpose(-1, -2) @ q.double() * scale)
+        dv = fold(p.transpose(-1, -2) @ do.double())
+        return tuple(torch.empty_like(x).copy_(gx) for x, gx in ((q, dq), (k, dk), (v, dv)))
+
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("layout,kinds", [("bhnd", ("contiguous",)), ("bnhd", ("contiguous",)),
+                                          ("bhnd", KINDS), ("bnhd", KINDS)])
+@pytest.mark.parametrize("case", [pytest.param((2, 4, 4, 37, 37, 16, True), id="n37-causal"),
+                                  pytest.param((1, 4, 2, 19, 45, 32, False), id="gqa2-19x45"),
+                                  pytest.param((1, 2, 1, 45, 19, 16, "top_left"), id="mqa-45x19-tl")])
+def test_plumbing_with_math_stand_in(monkeypatch, case, layout, kinds):
+    """cudnn_fwd and cudnn_bwd end to end on the CPU with the math stand-ins for the operators: the
+    views, strides and the LSE conversion, and the MeanFlow pattern (the backward from the (o, lse)
+    of flashjvp's fused forward+JVP kernel, here in Triton's interpreter) against the reference."""
+    monkeypatch.setattr(_cudnn, "_ops", _math_cudnn_ops)
+    b, hq, hkv, nq, nk, d, causal = case
+    dtype = torch.float32
+    q, k, v, tq, tk, tv = make_qkv(b, hq, hkv, nq, nk, d, d, layout, dtype, kinds=kinds, device="cpu")
+    a = check_inputs(q, k, v, causal=causal, layout=layout)
+    o, lse = cudnn_fwd(q, k, v, a)
+    assert o.stride() == contiguous_strides(o.shape) and lse.shape == (b, hq, nq) and lse.is_contiguous()
+    truth, lowp = fwd_refs(q, k, v, causal=causal, layout=layout)
+    assert_close("o", o, truth[0], lowp[0], dtype)
+    assert_close("lse", lse, truth[1], lowp[1], dtype)
+    do = torch.randn_like(o)
+    check_grads(cudnn_bwd(do, q, k, v, o, lse, a), q, k, v, do, dtype, causal=causal, layout=layout)
+    check_grads(cudnn_bwd(do.transpose(1, 2).contiguous().transpose(1, 2), q, k, v, o, lse, a), q, k, v, do,
+                dtype, causal=causal, layout=layout)
+    o_t, _, lse_t, _ = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, layout=layout, return_lse=True)
+    check_grads(cudnn_bwd(do, q, k, v, o_t, lse_t, a), q, k, v, do, dtype, causal=causal, layout=layout)
