@@ -12,6 +12,8 @@ memory (with the predicate stubbed), and the layout plumbing of both calls on me
 (PyTorch's meta functions of the cuDNN operators give their output shapes and strides).
 """
 
+import dataclasses
+import inspect
 import warnings
 
 import pytest
@@ -34,7 +36,7 @@ from flashjvp._cudnn import (
 )
 from flashjvp._launch import LaunchLog
 from flashjvp._policy import cudnn_mode
-from flashjvp._validate import check_inputs
+from flashjvp._validate import AttnArgs, check_inputs
 from helpers import DTYPE_IDS, ON_GPU, assert_close, f64, grad_refs, jvp_refs, make_qkv
 
 HALF = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)]
@@ -276,6 +278,9 @@ def _unsupported_cases():
     lens = torch.tensor([100, 512], device="cuda")
     out.append(("kv_lens", q, k, v, check_inputs(q, k, v, kv_lens=lens), dict(kv_lens=lens)))
     out.append(("window", q, k, v, check_inputs(q, k, v, window=(64, 64)), None))
+    if "attn_mask" in inspect.signature(check_inputs).parameters:
+        mask = torch.rand(2, 1, 512, 512, device="cuda") > 0.2
+        out.append(("attn_mask", q, k, v, check_inputs(q, k, v, attn_mask=mask), None))
     out.append(("bottom_right Nq != Nk", *(x := qkv(1, 2, 2, 300, 512, 64, 64, "bhnd", bf, kinds=KINDS)),
                 check_inputs(*x, causal="bottom_right"), dict(causal="bottom_right")))
     out.append(("D=40", *(x := qkv(1, 2, 2, 512, 512, 40, 40, "bhnd", bf, kinds=KINDS)), check_inputs(*x), {}))
@@ -487,6 +492,9 @@ def test_predicate_rules(monkeypatch):
     assert not cudnn_supported(*case(d=64, dv=128))
     assert not cudnn_supported(*case(dtype=torch.float32))
     assert not cudnn_supported(*case(n_k=1))
+    if "mask" in {f.name for f in dataclasses.fields(AttnArgs)}:  # an attention mask never goes to cuDNN
+        q, k, v, a = case()
+        assert not cudnn_supported(q, k, v, dataclasses.replace(a, mask=torch.zeros(1, 2, 512, 512)))
     monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
     assert not cudnn_supported(*case())
 

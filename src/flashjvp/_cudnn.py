@@ -50,6 +50,7 @@ the refusal is remembered per shape class (:func:`refusal_key`), with one warnin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -293,18 +294,34 @@ def _strides_ok(x: torch.Tensor) -> bool:
     return extent <= _INT32_MAX
 
 
+# AttnArgs fields this module knows; any other option (an attention mask, whatever is added later)
+# must be at its default for cuDNN to take the call.
+_KNOWN_FIELDS = ("batch", "h_q", "h_kv", "n_q", "n_k", "d_qk", "d_v", "causal", "scale", "layout", "kv_lens",
+                 "window", "varlen")
+_OTHER_OPTIONS = tuple((f.name, f.default) for f in dataclasses.fields(AttnArgs) if f.name not in _KNOWN_FIELDS)
+
+
+def _no_other_option(a: AttnArgs) -> bool:
+    for name, default in _OTHER_OPTIONS:
+        value = getattr(a, name)
+        if value is not default and (isinstance(value, torch.Tensor) or value != default):
+            return False
+    return True
+
+
 def cudnn_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *,
                     backward: bool = False) -> bool:
     """Whether PyTorch's cuDNN attention handles this call (conservative; host-side only, no GPU
     synchronisation): CUDA tensors on an sm90 GPU (``CUDNN_ARCHS``), float16 / bfloat16, Dqk == Dv
-    a multiple of 16 up to 128, no key padding, no window, not packed variable-length, causal
-    ``None`` or top-left (bottom-right only when Nq == Nk, where both coincide), Nk >= 2, GQA
-    allowed; unit-stride head dim, 16-byte aligned pointers and strides; cuDNN >= 9 and the
-    operators' expected schemas. ``backward``: also not under
-    ``torch.use_deterministic_algorithms(True)`` (cuDNN's backward is not deterministic)."""
+    a multiple of 16 up to 128, no key padding, no window, not packed variable-length, no mask (nor
+    any other AttnArgs option this module does not know), causal ``None`` or top-left
+    (bottom-right only when Nq == Nk, where both coincide), Nk >= 2, GQA allowed; unit-stride head
+    dim, 16-byte aligned pointers and strides; cuDNN >= 9 and the operators' expected schemas.
+    ``backward``: also not under ``torch.use_deterministic_algorithms(True)`` (cuDNN's backward is
+    not deterministic)."""
     if not q.is_cuda or q.dtype not in CUDNN_DTYPES:
         return False
-    if a.kv_lens is not None or a.window is not None or a.varlen is not None:
+    if a.kv_lens is not None or a.window is not None or a.varlen is not None or not _no_other_option(a):
         return False
     if a.d_qk != a.d_v or a.d_qk % CUDNN_HEAD_DIM_STEP or a.d_qk > CUDNN_MAX_HEAD_DIM:
         return False
