@@ -150,3 +150,60 @@ def force_fwd_tile(monkeypatch, *, tma: str, tile=None) -> list:
                                                           num_warps=warps, num_stages=stages)])
     monkeypatch.setattr(kernel, "cache", {})
     return spy_autotuner(monkeypatch, "TMA")
+
+
+# ---- packed variable-length batches (attention_varlen) ----
+PACKED_KINDS = ("contiguous", "swapped", "sliced")
+
+
+def cu_seqlens(lens, device=DEVICE) -> torch.Tensor:
+    """int32 (B + 1,) offsets of sequences of the given lengths, packed back to back."""
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def make_packed(total, h, d, kind: str, dtype, device=DEVICE) -> torch.Tensor:
+    """Random normal (total, h, d) tensor stored in the memory layout ``kind`` (unit stride in d):
+    contiguous; ``swapped`` (heads outermost in memory: strides (d, total * d, 1)); ``sliced`` (a
+    window of a larger tensor, offset start, padded head and row strides)."""
+    randn = lambda *size: torch.randn(*size, device=device).to(dtype)
+    if kind == "contiguous":
+        return randn(total, h, d)
+    if kind == "swapped":
+        return randn(h, total, d).transpose(0, 1)
+    if kind == "sliced":
+        return randn(total + 2, h + 3, d + 5)[1 : total + 1, 2 : h + 2, 3 : d + 3]
+    raise ValueError(f"unknown packed memory kind {kind!r}")
+
+
+def make_varlen(lens_q, lens_k, hq, hkv, dqk, dv, dtype, kinds=None, tangents=True, device=DEVICE):
+    """A packed batch: ``(xs, cu_q, cu_k, max_q, max_k)`` with ``xs`` = [q, k, v] (+ [tq, tk, tv]),
+    each in its own memory layout (``kinds``, cycled as in ``make_qkv``)."""
+    kinds = kinds or PACKED_KINDS
+    tq_, tk_ = sum(lens_q), sum(lens_k)
+    shapes = [(tq_, hq, dqk), (tk_, hkv, dqk), (tk_, hkv, dv)]
+    xs = [make_packed(*s, kinds[i % len(kinds)], dtype, device) for i, s in enumerate(shapes)]
+    if tangents:
+        xs += [make_packed(*s, kinds[(i + 2) % len(kinds)], dtype, device) for i, s in enumerate(shapes)]
+    return xs, cu_seqlens(lens_q, device), cu_seqlens(lens_k, device), max(lens_q), max(lens_k)
+
+
+def varlen_jvp_refs(q, k, v, cu_q, cu_k, max_q, max_k, tq, tk, tv, **kw):
+    """(float64 truth, same math in the input dtype) of attention_varlen_jvp_ref with return_lse=True."""
+    from flashjvp.ref import attention_varlen_jvp_ref
+
+    lens = (cu_q, cu_k, max_q, max_k)
+    truth = attention_varlen_jvp_ref(*f64((q, k, v)), *lens, *f64((tq, tk, tv)), return_lse=True, **kw)
+    lowp = attention_varlen_jvp_ref(q, k, v, *lens, tq, tk, tv, return_lse=True, **kw)
+    return truth, lowp
+
+
+def varlen_grad_refs(q, k, v, cu_q, cu_k, max_q, max_k, do, **kw):
+    """Gradients of <attention_varlen_ref(q, k, v, ...), do> in float64 and in the input dtype."""
+    from flashjvp.ref import attention_varlen_ref
+
+    out = []
+    for xs in (f64((q, k, v, do)), [x.detach() for x in (q, k, v, do)]):
+        leaves = [x.clone().requires_grad_() for x in xs[:3]]
+        o = attention_varlen_ref(*leaves, cu_q, cu_k, max_q, max_k, **kw)
+        out.append(torch.autograd.grad(o, leaves, xs[3]))
+    return out
