@@ -2,8 +2,9 @@
 
 Runs on the GPU when there is one, else on the CPU through Triton's interpreter
 (TRITON_INTERPRET=1); shapes stay tiny either way. Every test of the kernel path counts the
-kernel launches (LaunchLog), so it fails if flashjvp's kernels are not used. Fallbacks (masks,
-dropout) are compared with PyTorch's math backend, the one whose random numbers they reproduce.
+kernel launches (LaunchLog), so it fails if flashjvp's kernels are not used. Fallbacks (dropout,
+masks that take a derivative, ...) are compared with PyTorch's math backend, the one whose random
+numbers they reproduce.
 """
 
 import copy
@@ -154,9 +155,47 @@ def _bool_mask():
     return m.to(DEVICE)
 
 
+# --- masks: served by the kernels --------------------------------------------------------------
+
+def _key_padding_mask():
+    m = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+    m[0, ..., 13:] = False
+    m[1, ..., 1:] = False
+    return m.to(DEVICE)
+
+
+MASKS = {
+    "bool-2d": _bool_mask,
+    "bool-key-padding": _key_padding_mask,
+    "bool-per-head": lambda: (rand(2, 2, 12, 20, seed=6) > 0).to(DEVICE),
+    "float-broadcast-heads": lambda: rand(2, 1, 12, 20, seed=4),
+    "float-keys-only": lambda: rand(20, seed=7),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_run_the_kernels(name):
+    """Boolean and float masks of any broadcast shape: the kernels' forward, tangent and backward
+    match PyTorch's math backend, and nothing falls back."""
+    mask = MASKS[name]()
+    primals, tangents = qkv(2, 2, 2, 12, 20, 8, 8), qkv(2, 2, 2, 12, 20, 8, 8, seed=10)
+    with warnings.catch_warnings(record=True) as record, Launches() as n:
+        warnings.simplefilter("always")
+        out, tout = torch.func.jvp(lambda q, k, v: sdpa(q, k, v, attn_mask=mask), primals, tangents)
+        leaves = [x.clone().requires_grad_() for x in primals]
+        sdpa(*leaves, attn_mask=mask).square().sum().backward()
+    assert not fallback_warnings(record)
+    assert n.fwd == 2 and n.bwd == 1
+    ref, tref = torch.func.jvp(lambda q, k, v: math_sdpa_torch(q, k, v, attn_mask=mask), primals, tangents)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(tout, tref, **TOL)
+    refs = [x.clone().requires_grad_() for x in primals]
+    math_sdpa_torch(*refs, attn_mask=mask).square().sum().backward()
+    for name_, got, want in zip("qkv", leaves, refs):
+        torch.testing.assert_close(got.grad, want.grad, **TOL, msg=lambda m, n_=name_: f"d{n_}: {m}")
+
+
 FALLBACKS = {
-    "bool_mask": dict(attn_mask=_bool_mask()),
-    "float_mask": dict(attn_mask=rand(1, 1, 12, 20, seed=4)),
     "dropout": dict(dropout_p=0.3),
     "negative_scale": dict(scale=-0.4),
 }
@@ -184,12 +223,11 @@ def test_fallback_matches_and_warns_once_per_call_site(name):
 
 def test_two_call_sites_warn_twice():
     q, k, v = qkv(1, 2, 2, 8, 8, 8, 8)
-    m = ones_mask(8, 8)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         for _ in range(3):
-            sdpa(q, k, v, attn_mask=m)
-            sdpa(q, k, v, attn_mask=m)
+            sdpa(q, k, v, scale=-0.5)
+            sdpa(q, k, v, scale=-0.5)
             sdpa(q, k, v, dropout_p=0.1)
     assert len(fallback_warnings(record)) == 3
 
@@ -233,27 +271,23 @@ def test_dropout_applies_in_no_grad_and_eval_like_sdpa():
     assert not torch.allclose(out, F.scaled_dot_product_attention(q, k, v))
 
 
-@pytest.mark.parametrize("case", ["float64", "head_dim_300", "kv_heads_differ", "fp16_mask"])
+@pytest.mark.parametrize("case", ["float64", "head_dim_300", "kv_heads_differ"])
 def test_other_fallbacks(case):
     kw = {}
     if case == "float64":
         q, k, v = qkv(1, 2, 2, 9, 11, 8, 8, dtype=torch.float64)
     elif case == "head_dim_300":
         q, k, v = qkv(1, 1, 1, 5, 6, 300, 260)
-    elif case == "kv_heads_differ":  # SDPA allows it with enable_gqa; the kernels do not
+    else:  # SDPA allows it with enable_gqa; the kernels do not
         q, k, v = rand(1, 4, 9, 8, seed=0), rand(1, 2, 11, 8, seed=1), rand(1, 1, 11, 8, seed=2)
         kw = dict(enable_gqa=True)
-    else:  # half precision with a mask: computed in float32, as PyTorch's math backend does
-        q, k, v = qkv(1, 2, 2, 9, 11, 8, 8, dtype=torch.float16)
-        kw = dict(attn_mask=rand(9, 11, dtype=torch.float16, seed=3))
     tangents = tuple(rand(*x.shape, dtype=x.dtype, seed=20 + i) for i, x in enumerate((q, k, v)))
     with pytest.warns(SDPAFallbackWarning), Launches() as n:
         out, tout = torch.func.jvp(lambda *x: sdpa(*x, **kw), (q, k, v), tangents)
     ref, tref = torch.func.jvp(lambda *x: math_sdpa_torch(*x, **kw), (q, k, v), tangents)
     assert n.fwd == 0
-    tol = dict(rtol=1e-3, atol=1e-3) if q.dtype == torch.float16 else TOL
-    torch.testing.assert_close(out, ref, **tol)
-    torch.testing.assert_close(tout, tref, **tol)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(tout, tref, **TOL)
 
 
 def test_math_sdpa_matches_torch_math_backend_exactly_enough():
@@ -390,10 +424,10 @@ def test_fallback_inside_nested_patches_does_not_recurse():
     k1 = rand(1, 1, 8, 8)
     with warnings.catch_warnings(record=True) as record, patch_sdpa(), patch_sdpa():
         warnings.simplefilter("always")
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=ones_mask(8, 8))
+        a = F.scaled_dot_product_attention(q, k, v, scale=-0.5)  # math fallback
         b = F.scaled_dot_product_attention(q, k1, k1)  # served by PyTorch's SDPA itself
     assert len(fallback_warnings(record)) == 2
-    torch.testing.assert_close(a, F.scaled_dot_product_attention(q, k, v), **TOL)
+    torch.testing.assert_close(a, F.scaled_dot_product_attention(q, k, v, scale=-0.5), **TOL)
     torch.testing.assert_close(b, F.scaled_dot_product_attention(q, k1, k1), **TOL)
 
 

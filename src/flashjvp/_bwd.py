@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashjvp._cudnn import dispatch_bwd
 from flashjvp._jit import (
     LOG2E,
     LOG2E_K,
@@ -291,6 +292,8 @@ def _attn_bwd_dq_kernel(
 def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` given ``do``, from the saved
     ``lse`` (B, Hq, Nq) float32. Gradients have their input's shape and layout."""
+    if (grads := dispatch_bwd(do, q, k, v, o, lse, a)) is not None:
+        return grads  # PyTorch's cuDNN attention backward (_cudnn.py)
     dq, dk, dv = buffer_like(q), buffer_like(k), buffer_like(v)
     delta = buffer_like(lse)
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)

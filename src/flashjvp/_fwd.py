@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from flashjvp._cudnn import dispatch_fwd
 from flashjvp._jit import (
     LN2_K,
     LOG2E,
@@ -384,6 +385,9 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
              o: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Launch the fused kernel. Returns ``(o, to, lse, mu)``; ``to`` and ``mu`` are ``None``
     without tangents (``mu`` also unless ``store_mu``). ``o``/``lse`` may be given to write into."""
+    if tq is None and tk is None and tv is None and o is None and lse is None \
+            and (res := dispatch_fwd(q, k, v, a)) is not None:
+        return res  # PyTorch's cuDNN attention (_cudnn.py): (o, None, lse, None)
     jvp = tq is not None or tk is not None or tv is not None
     if o is None:
         o = out_buffer(a, q)

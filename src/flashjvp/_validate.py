@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 import torch
+import torch.autograd.forward_ad as fwAD
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,6 +103,17 @@ def _norm_scale(scale, d_qk: int) -> float:
     return scale
 
 
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """``x`` without the wrappers of ``torch.func`` grad/jvp levels, which wrap every tensor made
+    inside them, also from plain ones: the kernels read memory, and these integer or boolean
+    tensors (or constant masks) have no derivative. Batched (vmap) tensors are kept: that path runs
+    the math reference."""
+    fn = torch._C._functorch
+    while fn.is_functorch_wrapped_tensor(x) and not fn.is_batchedtensor(x):
+        x = fn.get_unwrapped(x)
+    return x
+
+
 def _check_kv_lens(kv_lens, batch: int, device) -> torch.Tensor | None:
     """``kv_lens`` as a contiguous int32 (B,) tensor on the inputs' device (values are clamped
     to [0, Nk] by the kernels: checking them here would synchronise with the GPU)."""
@@ -115,7 +127,7 @@ def _check_kv_lens(kv_lens, batch: int, device) -> torch.Tensor | None:
         raise ValueError(f"kv_lens: expected shape ({batch},) (the batch size of q), got {tuple(kv_lens.shape)}")
     if kv_lens.device != device:
         raise ValueError(f"kv_lens: expected device {device} (the device of q), got {kv_lens.device}")
-    return kv_lens.to(torch.int32).contiguous()
+    return _plain(kv_lens.to(torch.int32).contiguous())
 
 
 def _norm_window(window) -> tuple[int, int] | None:
@@ -131,28 +143,29 @@ def _norm_window(window) -> tuple[int, int] | None:
     return None if (left, right) == (-1, -1) else (left, right)
 
 
-def _check_mask(mask, q, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
+def _check_mask(mask, q, shape: tuple[int, int, int, int], any_float: bool) -> torch.Tensor | None:
     """``mask`` as the kernels read it: a (B, Hq, Nq, Nk) view that repeats along broadcast dims
-    (stride 0, nothing copied), uint8 for a boolean mask."""
+    (stride 0, nothing copied), uint8 for a boolean mask. ``any_float``: the reference's rule (a
+    float mask of any precision), else float32 or q's dtype."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
     floats = (torch.float32, q.dtype)
-    if mask.dtype not in (torch.bool, torch.uint8) + floats:
+    if mask.dtype not in (torch.bool, torch.uint8) + floats and not (any_float and mask.is_floating_point()):
         raise TypeError(f"attn_mask: expected dtype torch.bool, torch.float32 or {q.dtype} (that of q), "
                         f"got {mask.dtype}")
     if mask.device != q.device:
         raise ValueError(f"attn_mask: expected device {q.device} (the device of q), got {mask.device}")
-    if mask.requires_grad:
-        raise ValueError("attn_mask: a mask that requires grad is not supported by the kernels "
-                         "(detach it, or use flashjvp.sdpa, which computes its gradient in math)")
+    if mask.requires_grad or fwAD.unpack_dual(mask).tangent is not None:
+        raise ValueError("attn_mask: a mask that requires grad or carries a forward tangent is not supported "
+                         "by the kernels (detach it, or use flashjvp.sdpa, which differentiates it in math)")
     if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], shape[::-1])):
         raise ValueError(f"attn_mask: expected a shape broadcastable to {shape} (B, Hq, Nq, Nk), "
                          f"got {tuple(mask.shape)}")
     if mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)
-    return mask[(None,) * (4 - mask.dim())].expand(shape)
+    return _plain(mask[(None,) * (4 - mask.dim())].expand(shape))
 
 
 def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
@@ -217,7 +230,7 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
                              f"got {t.device}")
     return AttnArgs(b, h_q, h_kv, n_q, n_k, d_qk, d_v, _norm_causal(causal),
                     _norm_scale(scale, d_qk), layout, _check_kv_lens(kv_lens, b, q.device),
-                    _norm_window(window), None, _check_mask(attn_mask, q, (b, h_q, n_q, n_k)))
+                    _norm_window(window), None, _check_mask(attn_mask, q, (b, h_q, n_q, n_k), allow_float64))
 
 
 def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device, check_values: bool) -> None:
@@ -274,5 +287,5 @@ def varlen_args(a: AttnArgs, device, cu_q, cu_k, max_q, max_k, *, check_values: 
                          f"got {tuple(cu_k.shape)}")
     batch = cu_q.shape[0] - 1
     return AttnArgs(batch, a.h_q, a.h_kv, int(max_q), int(max_k), a.d_qk, a.d_v, a.causal, a.scale, "bnhd",
-                    None, a.window, Varlen(cu_q.contiguous(), cu_k.contiguous(), int(max_q), int(max_k),
-                                           total_q, total_k))
+                    None, a.window, Varlen(_plain(cu_q.contiguous()), _plain(cu_k.contiguous()), int(max_q),
+                                           int(max_k), total_q, total_k))

@@ -7,8 +7,9 @@ kernels can serve go to :func:`flashjvp.attention` (fused forward + JVP under
 * arguments that PyTorch rejects, or that only its own dispatcher defines (broadcast batch
   dims, key/value of other ranks, empty tensors, ...): PyTorch's SDPA itself is called, so
   errors and results are PyTorch's, word for word;
-* valid arguments the kernels lack (``attn_mask``, ``dropout_p > 0``, float64, head dims over
-  256, non-positive ``scale``, key and value with different head counts): :func:`_math_sdpa`,
+* valid arguments the kernels lack (``dropout_p > 0``, float64, head dims over 256,
+  non-positive ``scale``, key and value with different head counts, a float ``attn_mask`` that
+  requires grad or carries a forward tangent): :func:`_math_sdpa`,
   PyTorch's math backend in plain ``torch`` ops, correct under every transform
   (``torch.func.jvp``, ``vmap``, backward), unlike PyTorch's fused SDPA backends.
 
@@ -28,6 +29,7 @@ import warnings
 from types import FunctionType
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.overrides import TorchFunctionMode
 
 from flashjvp._validate import KERNEL_DTYPES, MAX_HEAD_DIM
@@ -143,8 +145,8 @@ def _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
             return _MATH, "key and value with different head counts"
     elif enable_gqa:
         return _TORCH, "enable_gqa=True with 2-d inputs"
-    if attn_mask is not None:
-        return _MATH, "attn_mask is not supported by flashjvp's kernels"
+    if attn_mask is not None and attn_mask.dtype != torch.bool and _differentiable(attn_mask):
+        return _MATH, "a float attn_mask that requires grad or carries a tangent (its derivative is computed in math)"
     if dropout_p > 0:
         return _MATH, "dropout_p > 0 is not supported by flashjvp's kernels"
     if query.dtype not in KERNEL_DTYPES:
@@ -154,6 +156,28 @@ def _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         return _MATH, "a scale that is not positive and finite is not supported by flashjvp's kernels"
     return None
+
+
+def _differentiable(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` takes part in reverse or forward mode AD (``torch.func`` wraps it)."""
+    return (mask.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(mask)
+            or fwAD.unpack_dual(mask).tangent is not None)
+
+
+def _unwrap(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean mask built under ``torch.func`` transforms, as the plain tensor the kernels read
+    (a boolean tensor has no derivative to keep)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(mask):
+        mask = torch._C._functorch.get_unwrapped(mask)
+    return mask
+
+
+def _mask_bhnd(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``mask`` (broadcastable to (..., Hq, L, S)) as a (prod(batch), Hq, L, S) view that repeats
+    along broadcast dims (no copy for inputs of up to 4 dims)."""
+    target = (*query.shape[:-1], key.shape[-2])
+    m = _unwrap(mask).expand(target)
+    return _to_bhnd(m) if m.dim() <= 4 else m.reshape(-1, *target[-3:])
 
 
 def _to_bhnd(x: torch.Tensor) -> torch.Tensor:
@@ -224,7 +248,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         key: (..., Hkv, S, E), same leading dims, dtype and device as query.
         value: (..., Hkv, S, Ev).
         attn_mask: ``None``, or a bool (``True`` = attend) or float (added to the scores) tensor
-            broadcastable to (..., Hq, L, S). Served by the math fallback.
+            broadcastable to (..., Hq, L, S), read tile by tile by the kernels (never expanded
+            in memory). A float mask that requires grad or carries a forward tangent is served
+            by the math fallback, which computes its derivative.
         dropout_p: dropout on the attention weights, applied whenever ``> 0`` (as SDPA does, in
             eval mode too). Served by the math fallback.
         is_causal: top-left causal mask: query ``i`` sees keys ``j <= i``.
@@ -235,7 +261,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     Returns:
         out: (..., Hq, L, Ev), dtype of query.
 
-    The kernels serve float16/bfloat16/float32 inputs without ``attn_mask`` and dropout, with
+    The kernels serve float16/bfloat16/float32 inputs without dropout, with
     ``E, Ev <= 256`` and a positive scale; such calls work under ``torch.func.jvp`` and
     ``forward_ad`` (fused forward + tangent) and backward (Triton). Other valid calls run
     PyTorch's math backend in plain ops, correct under the same transforms; calls SDPA rejects
@@ -243,7 +269,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     """
     route = _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if route is None:
-        out = attention(_to_bhnd(query), _to_bhnd(key), _to_bhnd(value), causal=is_causal, scale=scale)
+        mask = None if attn_mask is None else _mask_bhnd(attn_mask, query, key)
+        out = attention(_to_bhnd(query), _to_bhnd(key), _to_bhnd(value), causal=is_causal, scale=scale,
+                        attn_mask=mask)
         return out.reshape(*query.shape[:-1], value.shape[-1])
     return _fallback(*route, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
