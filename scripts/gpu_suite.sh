@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The GPU test suite and the benchmark suite in one call, from the repository root of a GPU machine:
 #
-#   bash scripts/gpu_suite.sh [STEPS]      STEPS: tests, bench or tests,bench (the default)
+#   bash scripts/gpu_suite.sh [STEPS]      STEPS: a comma-separated list of tests, bench, masks
+#                                          (default tests,bench)
 #
 # Environment: OUT (where logs and results go, default /tmp/flashjvp-gpu), TEST_LIMIT (seconds for
 # the tests, default 300), WORKERS (pytest-xdist workers, default 12), BENCH_LIMIT (the benchmark's
-# --time-limit, default 240), BENCH_ARGS (more options for python -m flashjvp.bench, e.g. --modes fwd_jvp).
+# --time-limit, default 240), BENCH_ARGS (more options for python -m flashjvp.bench, e.g. --modes fwd_jvp),
+# MASKS_LIMIT (the masks benchmark's --time-limit, default 240), MASKS_ARGS (more options for
+# python -m flashjvp.bench_masks, e.g. --cases 1,3); FLASHJVP_AUTOTUNE is passed through.
 # The benchmark adds the reference kernel when benchmarks/third_party/reference_jvp.py exists.
-# Writes $OUT/gpu.txt, $OUT/tests.log, $OUT/bench.log and $OUT/bench/bench.{json,md,png}.
+# Writes $OUT/gpu.txt, $OUT/tests.log, $OUT/bench.log, $OUT/bench/bench.{json,md,png}, and for the
+# masks step $OUT/masks.log and $OUT/masks/masks.{json,md}.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashjvp-gpu}
 mkdir -p "$OUT"
@@ -46,4 +50,13 @@ if has bench; then
     --out "$OUT/bench" >"$OUT/bench.log" 2>&1
   echo "bench: exit status $?"
   grep -E "^\[|time limit|wrote" "$OUT/bench.log" | tail -60
+fi
+
+# (d) the masks benchmark (issue 21): varlen vs padded, sliding window, key padding, masked sdpa
+if has masks; then
+  # shellcheck disable=SC2086  # MASKS_ARGS is split into options on purpose
+  FLASHJVP_POISON=0 python3 -m flashjvp.bench_masks --quick --time-limit "${MASKS_LIMIT:-240}" ${MASKS_ARGS:-} \
+    --out "$OUT/masks" >"$OUT/masks.log" 2>&1
+  echo "masks: exit status $?"
+  grep -E "^\[|time limit|wrote" "$OUT/masks.log" | tail -70
 fi
