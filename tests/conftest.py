@@ -6,6 +6,8 @@ import os
 import torch
 
 os.environ.setdefault("FLASHJVP_POISON", "1")
+# The kernel tests test flashjvp's own kernels; test_cudnn.py sets the switch to test the dispatch.
+os.environ.setdefault("FLASHJVP_CUDNN", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -12,8 +12,11 @@ ON_GPU = DEVICE == "cuda"
 # bf16 tl.dot is wrong in Triton's CPU interpreter: bf16 numerics are tested on the GPU only.
 DTYPES = [torch.float16, torch.bfloat16, torch.float32] if ON_GPU else [torch.float32, torch.float16]
 DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-# Absolute floor of the tolerance, relative to the reference's magnitude.
-FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+# Absolute floor of the tolerance, relative to the reference's magnitude. float32: a gradient that
+# is zero by cancellation (dK of the one key a row sees: P (dP - delta) with P = 1) keeps the
+# rounding of dP - delta, whose two sums run in another order on the GPU than in PyTorch, summed
+# over every row that sees the key.
+FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 5e-5}
 # The kernel's error may be this many times PyTorch's own error in the same dtype.
 FACTOR = 3.0
 MEMORY_KINDS = ("contiguous", "swapped", "sliced", "strided")

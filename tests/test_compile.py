@@ -201,7 +201,7 @@ def test_opcheck(layout):
     """The operators' schemas, fake implementations, autograd registration and strides agree
     with their real implementations (``torch.library.opcheck``)."""
     q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 9, 13, 16, 16, layout, torch.float32)
-    opts = ("top_left", 0.25, layout, None, [], None, None, 0, 0)  # see _ops.options
+    opts = ("top_left", 0.25, layout, None, [], None, None, 0, 0, None)  # see _ops.options
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     torch.library.opcheck(attn_fwd_op, (*leaves, *opts))
     torch.library.opcheck(attn_fwd_jvp_op, (q, k, v, tq, None, tv, *opts))
@@ -215,6 +215,9 @@ def test_opcheck(layout):
     padded = (*opts[:3], torch.tensor([7], device=DEVICE), [3, 2], *opts[5:])  # 7 of 13 keys, a window
     torch.library.opcheck(attn_fwd_op, (*leaves, *padded))
     torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq, None, tv, *padded))
+    masked = (*opts[:-1], torch.rand(1, 1, 9, 13, device=DEVICE) > 0.3)  # a boolean attention mask
+    torch.library.opcheck(attn_fwd_op, (*leaves, *masked))
+    torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq, None, tv, *masked))
 
 
 def test_opcheck_varlen():
@@ -222,7 +225,7 @@ def test_opcheck_varlen():
     q, k, v, tq, tk, tv = (x[:1] for x in make_qkv(1, 2, 1, 12, 15, 16, 16, "bnhd", torch.float32))
     cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 4, 9, 15], dtype=torch.int32, device=DEVICE)
-    opts = ("bottom_right", 0.25, "bnhd", None, [], cu_q, cu_k, 7, 6)
+    opts = ("bottom_right", 0.25, "bnhd", None, [], cu_q, cu_k, 7, 6, None)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     torch.library.opcheck(attn_fwd_op, (*leaves, *opts))
     torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq.requires_grad_(), tk, None, *opts))
@@ -236,7 +239,7 @@ def test_fake_shapes_without_running():
         q = torch.empty(2, 7, 4, 40, dtype=torch.bfloat16, device=DEVICE)  # bnhd
         k = torch.empty(2, 9, 2, 40, dtype=torch.bfloat16, device=DEVICE)
         v = torch.empty(2, 9, 2, 24, dtype=torch.bfloat16, device=DEVICE)
-        opts = (None, 0.5, "bnhd", None, [], None, None, 0, 0)
+        opts = (None, 0.5, "bnhd", None, [], None, None, 0, 0, None)
         o, to, lse, mu = attn_fwd_jvp_op(q, k, v, q, None, None, *opts)
         dq, dk, dv = attn_bwd_op(o, q, k, v, o, lse, *opts)
     assert o.shape == to.shape == (2, 7, 4, 24) and o.is_contiguous() and o.dtype == torch.bfloat16

@@ -108,6 +108,8 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     inside them, also from plain ones: the kernels read memory, and these integer or boolean
     tensors (or constant masks) have no derivative. Batched (vmap) tensors are kept: that path runs
     the math reference."""
+    if torch.compiler.is_compiling():  # Dynamo traces no transform's wrappers
+        return x
     fn = torch._C._functorch
     while fn.is_functorch_wrapped_tensor(x) and not fn.is_batchedtensor(x):
         x = fn.get_unwrapped(x)
