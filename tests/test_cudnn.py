@@ -397,7 +397,7 @@ def test_use_cudnn_modes(monkeypatch):
     the case (and PyTorch's cuDNN SDPA is enabled)."""
     monkeypatch.setattr(_cudnn, "cudnn_supported", lambda *args, **kwargs: True)
     monkeypatch.setattr(_cudnn, "_REFUSED", {})
-    listed = _cpu_args(1024, 64)
+    listed = _cpu_args(4096, 64)
     unlisted = _cpu_args(256, 64)
     for backward in (False, True):
         monkeypatch.setenv("FLASHJVP_CUDNN", "0")
@@ -416,13 +416,13 @@ def test_use_cudnn_modes(monkeypatch):
 
 
 def test_auto_policy_table():
-    q, k, v, a = _cpu_args(1024, 64)
+    q, k, v, a = _cpu_args(4096, 64)
     for backward in (False, True):
         assert listed_faster(torch.bfloat16, a, backward=backward)
         assert listed_faster(torch.float16, a, backward=backward)
         assert not listed_faster(torch.float32, a, backward=backward)
-        assert listed_faster(torch.bfloat16, _cpu_args(1024, 128, causal=True)[3], backward=backward)
-        assert not listed_faster(torch.bfloat16, _cpu_args(512, 64)[3], backward=backward)
+        assert listed_faster(torch.bfloat16, _cpu_args(8192, 128, causal=True)[3], backward=backward)
+        assert not listed_faster(torch.bfloat16, _cpu_args(1024, 64)[3], backward=backward)
         assert not listed_faster(torch.bfloat16, _cpu_args(1024, 72)[3], backward=backward)
 
 

@@ -348,8 +348,8 @@ class Faster:
     directions: tuple[str, ...] = ("fwd", "bwd")
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
     head_dims: tuple[int, ...] = (64, 128)
-    min_n_q: int = 1024
-    min_n_k: int = 1024
+    min_n_q: int = 4096
+    min_n_k: int = 4096
     causal: tuple[str | None, ...] = (None, "top_left", "bottom_right")
     gqa: bool = True  # also when Hq != Hkv
 
@@ -359,9 +359,11 @@ class Faster:
                 and a.causal in self.causal and (self.gqa or a.h_q == a.h_kv))
 
 
-# Where cuDNN measured faster (H200, bf16; issue 24's table: forward and backward of B4 H32 N4096
-# D64, B2 H24 N4096 D128, B1 H12 N32768 D128, B2 Hq32/Hkv8 N8192 D128 causal). A first policy, to
-# be refined from `python -m flashjvp.bench --providers flashjvp-triton flashjvp-cudnn`.
+# Where cuDNN measured faster on the H200 (bf16, benchmarks/results/nvidia-h200/dispatch.md: forward
+# 1.20-1.40x and backward 1.26-1.48x faster than flashjvp's Triton kernels at B4 H32 N4096 D64,
+# B2 H24 N4096 D128, B1 H12 N32768 D128 and B2 Hq32/Hkv8 N8192 D128 causal). Shorter sequences were
+# not measured, so they stay on Triton. Re-measure with
+# `python -m flashjvp.bench --modes fwd bwd scm --providers flashjvp-triton flashjvp-cudnn torch-cudnn`.
 CUDNN_FASTER: tuple[Faster, ...] = (Faster(),)
 
 
