@@ -245,3 +245,31 @@ def test_fake_shapes_without_running():
     assert o.shape == to.shape == (2, 7, 4, 24) and o.is_contiguous() and o.dtype == torch.bfloat16
     assert lse.shape == mu.shape == (2, 4, 7) and lse.dtype == mu.dtype == torch.float32
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_compiled_masks_windows_and_packed_batches():
+    """A window, an attention mask and a packed batch through ``torch.compile(fullgraph=True)``:
+    the options travel through the operators to the kernels, forward and backward."""
+    q, k, v, *_ = make_qkv(2, 2, 1, 19, 23, 16, 16, "bnhd", torch.float32)
+    mask = torch.rand(2, 1, 19, 23, device=DEVICE) > 0.3
+    kw = dict(layout="bnhd", window=(4, 2), attn_mask=mask, causal="bottom_right")
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    do = torch.randn_like(q)
+    f = _compile(lambda q, k, v: (flashjvp.attention(q, k, v, **kw) * do).sum(), fullgraph=True)
+    with LaunchLog() as log:
+        f(*leaves).backward()
+    assert log.count("_attn_fwd_kernel", HAS_MASK=True, LEFT=True) == 1
+    truth, lowp = grad_refs(q, k, v, do, **kw)
+    for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth, lowp):
+        assert_close(name, x.grad, t, lp, torch.float32)
+    # packed: two sequences of the batch's rows, one call
+    cu_q = torch.tensor([0, 7, 19], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 15, 23], dtype=torch.int32, device=DEVICE)
+    packed = [x[0] for x in (q, k, v)]
+    g = _compile(lambda q, k, v: flashjvp.attention_varlen(q, k, v, cu_q, cu_k, 12, 15, causal=True), fullgraph=True)
+    with LaunchLog() as log:
+        o = g(*packed)
+    assert log.count("_attn_fwd_kernel", VARLEN=True) == 1
+    ref = flashjvp.attention_varlen_ref(*[x.double() for x in packed], cu_q, cu_k, 12, 15, causal=True)
+    lowp = flashjvp.attention_varlen_ref(*packed, cu_q, cu_k, 12, 15, causal=True)
+    assert_close("o (packed)", o, ref, lowp, torch.float32)

@@ -35,7 +35,7 @@ from flashjvp._launch import (
     mask_args,
     mask_strides,
     seq_strides,
-    seq_tensors,
+    aux_tensors,
     stat_strides,
     vector_align,
 )
@@ -303,7 +303,7 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     common = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk,
                   D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags,
                   DOT_PREC=dot_precision(q.dtype), ALIGN=align, HAS_KV_LENS=a.kv_lens is not None)
-    seqs = seq_tensors(a, lse)
+    seqs = aux_tensors(a, lse)
     sizes = (*stat_strides(a), *mask_strides(a), a.h_q, a.groups, a.n_q, a.n_k, *masks, a.scale * LOG2E, a.scale)
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731

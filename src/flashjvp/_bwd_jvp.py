@@ -32,7 +32,7 @@ from flashjvp._launch import (
     mask_args,
     mask_strides,
     new_buffer,
-    seq_tensors,
+    aux_tensors,
 )
 from flashjvp._policy import BWD_JVP_TILES, head_blocks, length_bucket, prune_bwd_jvp_configs, tile_configs
 from flashjvp._validate import AttnArgs
@@ -318,7 +318,7 @@ def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: Att
                  BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags, DOT_PREC=dot_precision(q.dtype),
                  HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
                  HAS_DO=do is not None, HAS_DTO=dto is not None, HAS_KV_LENS=a.kv_lens is not None)
-    seqs, mstrides = seq_tensors(a, lse), mask_strides(a)
+    seqs, mstrides = aux_tensors(a, lse), mask_strides(a)
     n_t = (a.n_q, a.n_k) if a.varlen is None else (a.varlen.total_q, a.varlen.total_k)  # rows per (b, h)
     sizes = (a.h_q, a.groups, a.n_q, a.n_k, *n_t, *masks, a.scale * LOG2E, a.scale)
     alt = lambda x, y: y if x is None else x  # noqa: E731  (a tensor the kernel never reads)

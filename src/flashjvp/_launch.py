@@ -154,7 +154,7 @@ def mask_args(a) -> tuple[tuple[int, int, int], dict]:
     return (int(a.causal == "bottom_right"), max(right, 0), max(left, 0)), flags
 
 
-def seq_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def aux_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' KV_LENS, CU_Q, CU_K and MASK pointers (``stand_in`` where absent: never read)."""
     kv = stand_in if a.kv_lens is None else a.kv_lens
     mask = stand_in if a.mask is None else a.mask
