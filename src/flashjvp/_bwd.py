@@ -28,6 +28,7 @@ from flashjvp._jit import (
     visible,
 )
 from flashjvp._launch import (
+    aux_tensors,
     buffer_like,
     dot_precision,
     launch_device,
@@ -35,7 +36,6 @@ from flashjvp._launch import (
     mask_args,
     mask_strides,
     seq_strides,
-    aux_tensors,
     stat_strides,
     vector_align,
 )

@@ -26,13 +26,13 @@ import triton.language as tl
 from flashjvp._bwd import _lse_log2
 from flashjvp._jit import LOG2E, LOG2E_K, diagonals, key_blocks, mask_bias, query_blocks, sequence, visible
 from flashjvp._launch import (
+    aux_tensors,
     dot_precision,
     launch_device,
     launch_tuned,
     mask_args,
     mask_strides,
     new_buffer,
-    aux_tensors,
 )
 from flashjvp._policy import BWD_JVP_TILES, head_blocks, length_bucket, prune_bwd_jvp_configs, tile_configs
 from flashjvp._validate import AttnArgs

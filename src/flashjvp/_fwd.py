@@ -34,6 +34,7 @@ from flashjvp._jit import (
     visible,
 )
 from flashjvp._launch import (
+    aux_tensors,
     dot_precision,
     ensure_tma_allocator,
     launch_device,
@@ -42,7 +43,6 @@ from flashjvp._launch import (
     mask_strides,
     out_buffer,
     seq_strides,
-    aux_tensors,
     stat_buffer,
     stat_strides,
     strides_bhnd,
