@@ -114,6 +114,26 @@ def grad_refs(q, k, v, do, **kw):
     return out
 
 
+def check_second_order(xs, fn=None, ref=None, **kw):
+    """Gradients of o.sum() + |to|^2 + lse.sum() + 3 mu.sum() with respect to the primals and
+    tangents ``xs`` (q, k, v, tq, tk, tv) through ``fn`` in float32 (default
+    ``flashjvp.attention_jvp``; any callable ``fn(q, k, v, tq, tk, tv, return_lse=True, **kw)``)
+    against ``ref`` in float64 (default ``flashjvp.attention_jvp_ref``)."""
+    fn = fn or flashjvp.attention_jvp
+    ref = ref or flashjvp.attention_jvp_ref
+
+    def grads(f, dtype):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in xs]
+        o, to, lse, mu = f(*leaves, return_lse=True, **kw)
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        (o.sum() + (to * to).sum() + lse.sum() + (mu * 3).sum()).backward()
+        return [x.grad for x in leaves]
+
+    got, truth, lowp = grads(fn, torch.float32), grads(ref, torch.float64), grads(ref, torch.float32)
+    for name, g, t, lp in zip(("dq", "dk", "dv", "dtq", "dtk", "dtv"), got, truth, lowp):
+        assert_close(name, g, t, lp, torch.float32)
+
+
 class Launches(LaunchLog):
     """A :class:`flashjvp._launch.LaunchLog` that, on leaving the ``with`` block, also counts the
     forward kernel's launches (``fwd``) and the backward's (``bwd``: one dQ launch per backward)."""

@@ -8,7 +8,17 @@ import torch
 import flashjvp
 from flashjvp import _policy
 from flashjvp._launch import LaunchLog
-from helpers import DEVICE, DTYPE_IDS, DTYPES, ON_GPU, assert_close, grad_refs, jvp_refs, make_qkv
+from helpers import (
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    ON_GPU,
+    assert_close,
+    check_second_order,
+    grad_refs,
+    jvp_refs,
+    make_qkv,
+)
 
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv, layout), kv_lens: zero, partial, whole and past the end
 CASES = [
@@ -59,19 +69,7 @@ def test_backward(case, lens, causal, dtype):
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_second_order(causal):
     xs, kw = _inputs((2, 2, 1, 21, 30, 16, 16, "bhnd"), [11, 0], torch.float32)
-
-    def grads(fn, dtype):
-        leaves = [x.detach().to(dtype).requires_grad_() for x in xs]
-        o, to, lse, mu = fn(*leaves, causal=causal, return_lse=True, **kw)
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        (o.sum() + (to * to).sum() + lse.sum() + (mu * 3).sum()).backward()
-        return [x.grad for x in leaves]
-
-    got = grads(flashjvp.attention_jvp, torch.float32)
-    truth = grads(flashjvp.attention_jvp_ref, torch.float64)
-    lowp = grads(flashjvp.attention_jvp_ref, torch.float32)
-    for name, g, t, lp in zip(("dq", "dk", "dv", "dtq", "dtk", "dtv"), got, truth, lowp):
-        assert_close(name, g, t, lp, torch.float32)
+    check_second_order(xs, causal=causal, **kw)
 
 
 @pytest.mark.skipif(ON_GPU, reason="16-row tiles: interpreter only")

@@ -15,6 +15,7 @@ from helpers import (
     DTYPES,
     ON_GPU,
     assert_close,
+    check_second_order,
     cu_seqlens,
     make_varlen,
     varlen_grad_refs,
@@ -90,18 +91,9 @@ def test_second_order(causal, window):
     xs, lens, _ = _inputs(([6, 0, 11, 1], [9, 3, 11, 0], 2, 1, 16, 16, None), torch.float32)
     kw = dict(causal=causal, window=window)
 
-    def grads(fn, dtype):
-        leaves = [x.detach().to(dtype).requires_grad_() for x in xs]
-        o, to, lse, mu = fn(*leaves[:3], *lens, *leaves[3:], return_lse=True, **kw)
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        (o.sum() + (to * to).sum() + lse.sum() + (mu * 3).sum()).backward()
-        return [x.grad for x in leaves]
-
-    got = grads(flashjvp.attention_varlen_jvp, torch.float32)
-    truth = grads(attention_varlen_jvp_ref, torch.float64)
-    lowp = grads(attention_varlen_jvp_ref, torch.float32)
-    for name, g, t, lp in zip(("dq", "dk", "dv", "dtq", "dtk", "dtv"), got, truth, lowp):
-        assert_close(name, g, t, lp, torch.float32)
+    def packed(jvp_fn):
+        return lambda q, k, v, tq, tk, tv, **kw_: jvp_fn(q, k, v, *lens, tq, tk, tv, **kw_)
+    check_second_order(xs, packed(flashjvp.attention_varlen_jvp), packed(attention_varlen_jvp_ref), **kw)
 
 
 _SMALL = ([5, 0, 14, 1], [9, 2, 14, 0], 2, 1, 24, 16, None)

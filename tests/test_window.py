@@ -8,7 +8,17 @@ import pytest
 import torch
 
 import flashjvp
-from helpers import DEVICE, DTYPE_IDS, DTYPES, ON_GPU, assert_close, grad_refs, jvp_refs, make_qkv
+from helpers import (
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    ON_GPU,
+    assert_close,
+    check_second_order,
+    grad_refs,
+    jvp_refs,
+    make_qkv,
+)
 
 # id: ((B, Hq, Hkv, Nq, Nk, Dqk, Dv, layout), window, causal, kv_lens)
 _CASES = {
@@ -87,19 +97,7 @@ def test_backward(case, dtype):
 def test_second_order(window, causal, lens):
     xs = make_qkv(2, 2, 1, 21, 30, 16, 16, "bhnd", torch.float32)
     kw = dict(causal=causal, window=window, kv_lens=torch.tensor(lens, device=DEVICE))
-
-    def grads(fn, dtype):
-        leaves = [x.detach().to(dtype).requires_grad_() for x in xs]
-        o, to, lse, mu = fn(*leaves, return_lse=True, **kw)
-        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        (o.sum() + (to * to).sum() + lse.sum() + (mu * 3).sum()).backward()
-        return [x.grad for x in leaves]
-
-    got = grads(flashjvp.attention_jvp, torch.float32)
-    truth = grads(flashjvp.attention_jvp_ref, torch.float64)
-    lowp = grads(flashjvp.attention_jvp_ref, torch.float32)
-    for name, g, t, lp in zip(("dq", "dk", "dv", "dtq", "dtk", "dtv"), got, truth, lowp):
-        assert_close(name, g, t, lp, torch.float32)
+    check_second_order(xs, **kw)
 
 
 def test_func_jvp_of_attention():
