@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)  ## the whole suite; on a machine without a GPU the kernels run in Triton's interpreter
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n auto
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples scripts benchmarks
