@@ -388,6 +388,8 @@ def use_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *,
     :func:`cudnn_supported`; with ``auto`` also only where :data:`CUDNN_FASTER` lists the case and
     ``torch.backends.cuda.cudnn_sdp_enabled()``. A shape class where cuDNN raised before is not
     tried again."""
+    if q.dtype not in CUDNN_DTYPES:  # the cheapest refusal first: short calls are bound by this code
+        return False
     mode = cudnn_mode()
     if mode == "never":
         return False

@@ -396,7 +396,9 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     to = out_buffer(a, q) if jvp else None
     mu = stat_buffer(a, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
-    strides = [seq_strides(x, a) for x in (q, k, v, tq, tk, tv, o, to)]
+    tensors = (q, k, v, tq, tk, tv, o, to)
+    strides = ([strides_bhnd(x, a.layout) for x in tensors] if a.varlen is None  # most calls
+               else [seq_strides(x, a) for x in tensors])
     masks, mask_flags = mask_args(a)
     tma = a.varlen is None and use_tma((q, k, v, tq, tk, tv), kv_tangents=tk is not None or tv is not None,
                                        head_dims=(a.d_qk, a.d_v), n_k=a.n_k)
@@ -409,9 +411,8 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
     # tail splitting (_split.py): a 1-D grid whose last programs are key shards of the last wave
     k_bucket = length_bucket(a.n_k)  # autotune key and split policy
-    bounded = (mask_flags["RIGHT"] or mask_flags["LEFT"] or a.varlen is not None  # row blocks differ in work
-               or a.mask is not None)
-    slots = split_slots(q, causal=bounded, n_k_bucket=k_bucket)
+    bounded = a.causal is not None or a.window is not None or a.varlen is not None or a.mask is not None
+    slots = split_slots(q, causal=bounded, n_k_bucket=k_bucket)  # not where row blocks differ in work
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
     scratch = (split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in BLOCK_MS}, a.n_k)
                if slots else None)  # most launches: nothing to size

@@ -138,14 +138,25 @@ def stat_strides(a) -> tuple[int, int]:
 def seq_strides(x: torch.Tensor | None, a) -> tuple[int, int, int, int]:
     """``strides_bhnd`` for the kernels: batch stride 0 for packed sequences, whose (1, total, H, D)
     views are indexed by sequence offsets instead."""
-    st = strides_bhnd(x, a.layout)
-    return (0, *st[1:]) if a.varlen is not None else st
+    if a.varlen is None:
+        return strides_bhnd(x, a.layout)
+    return (0, *strides_bhnd(x, a.layout)[1:])
+
+
+# mask_args of the calls without a window, packed batch or mask, by causal alignment (most calls:
+# shared, not rebuilt per launch; the launchers only read them)
+_PLAIN_MASKS = {c: ((int(c == "bottom_right"), 0, 0),
+                    dict(RIGHT=c is not None, LEFT=False, VARLEN=False, HAS_MASK=False, MASK_BOOL=False,
+                         MASK_ROWS=False))
+                for c in (None, "top_left", "bottom_right")}
 
 
 def mask_args(a) -> tuple[tuple[int, int, int], dict]:
     """The kernels' runtime masking arguments ``(bottom_right, win_r, win_l)`` and their flags:
     RIGHT (causal or a window's right side), LEFT (a window's left side), VARLEN, and for an
     attention mask HAS_MASK, MASK_BOOL and MASK_ROWS (whether it differs between query rows)."""
+    if a.window is None and a.varlen is None and a.mask is None:
+        return _PLAIN_MASKS[a.causal]
     right, left = a.window_right, a.window_left
     m = a.mask
     flags = dict(RIGHT=right >= 0, LEFT=left >= 0, VARLEN=a.varlen is not None, HAS_MASK=m is not None,
