@@ -200,21 +200,24 @@ def with_strides(x: torch.Tensor, strides, *, align: bool = False) -> torch.Tens
 # --------------------------------------------------------------------------- the calls
 
 
-def cudnn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs):
+def cudnn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *, need_lse: bool = True):
     """``(o, lse)`` of attention through PyTorch's cuDNN SDPA: ``o`` contiguous in ``a.layout``
-    (as ``attn_fwd``'s), ``lse`` (B, Hq, Nq) float32 contiguous, natural log. For cases
+    (as ``attn_fwd``'s), ``lse`` (B, Hq, Nq) float32 contiguous, natural log, or None without
+    ``need_lse`` (cuDNN's inference kernel: no backward follows). For cases
     :func:`cudnn_supported` accepts (no check here)."""
     fwd, _ = _ops()
-    out = fwd(_bhnd(q, a.layout), _bhnd(k, a.layout), _bhnd(v, a.layout), None, True, 0.0,
+    out = fwd(_bhnd(q, a.layout), _bhnd(k, a.layout), _bhnd(v, a.layout), None, need_lse, 0.0,
               a.causal is not None, False, scale=a.scale)
     o = _bhnd(out[0], a.layout)  # back to the call's layout
     o = with_strides(o, contiguous_strides(o.shape))
+    if LaunchLog._active:
+        record_launch("cudnn_sdpa_fwd", {}, CAUSAL=a.causal is not None, LAYOUT=a.layout, LSE=need_lse)
+    if not need_lse:
+        return o, None
     _SEEN_STATS_RANK["rank"] = out[1].dim()
     lse = out[1].reshape(a.batch, a.h_q, a.n_q)  # (B, H, Nq, 1) contiguous: a view
     if not lse.is_contiguous():  # e.g. TORCH_CUDNN_SDPA_AVOID_RECOMPILE's (B, Nq, H) order
         lse = lse.contiguous()
-    if LaunchLog._active:
-        record_launch("cudnn_sdpa_fwd", {}, CAUSAL=a.causal is not None, LAYOUT=a.layout)
     return o, lse
 
 
@@ -411,13 +414,14 @@ def _refuse(q: torch.Tensor, a: AttnArgs, backward: bool, error: BaseException) 
                   "from now on", RuntimeWarning, stacklevel=4)
 
 
-def dispatch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs):
+def dispatch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *, need_lse: bool = True):
     """``attn_fwd``'s ``(o, None, lse, None)`` from cuDNN when :func:`use_cudnn` says so and the call
-    succeeds; else None (the caller launches Triton). Call only without tangents."""
+    succeeds (``lse`` None without ``need_lse``); else None (the caller launches Triton). Call only
+    without tangents."""
     if not use_cudnn(q, k, v, a, backward=False):
         return None
     try:
-        o, lse = cudnn_fwd(q, k, v, a)
+        o, lse = cudnn_fwd(q, k, v, a, need_lse=need_lse)
     except torch.cuda.OutOfMemoryError:
         return None  # not a refusal: Triton needs no workspace, retry cuDNN next time
     except RuntimeError as e:

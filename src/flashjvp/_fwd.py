@@ -382,11 +382,12 @@ def _scratch_args(scratch, o, lse):
 
 
 def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
-             o: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+             o: torch.Tensor | None = None, lse: torch.Tensor | None = None, need_lse: bool = True):
     """Launch the fused kernel. Returns ``(o, to, lse, mu)``; ``to`` and ``mu`` are ``None``
-    without tangents (``mu`` also unless ``store_mu``). ``o``/``lse`` may be given to write into."""
+    without tangents (``mu`` also unless ``store_mu``). ``o``/``lse`` may be given to write into.
+    Without ``need_lse`` (no backward follows) ``lse`` may come back None."""
     if tq is None and tk is None and tv is None and o is None and lse is None \
-            and (res := dispatch_fwd(q, k, v, a)) is not None:
+            and (res := dispatch_fwd(q, k, v, a, need_lse=need_lse)) is not None:
         return res  # PyTorch's cuDNN attention (_cudnn.py): (o, None, lse, None)
     jvp = tq is not None or tk is not None or tv is not None
     if o is None:

@@ -88,8 +88,8 @@ def _attention_kernels(q, k, v, a: AttnArgs) -> torch.Tensor:
     stack = _transforms()
     if _needs_math_path(stack):
         return _ref(q, k, v, None, None, None, a, jvp=False)
-    if _plain(stack, q, k, v):
-        return attn_fwd(q, k, v, None, None, None, a)[0]
+    if _plain(stack, q, k, v):  # no backward can follow: the lse is not needed
+        return attn_fwd(q, k, v, None, None, None, a, need_lse=False)[0]
     defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
     return AttentionFunction.apply(q, k, v, a, defer)[0]
 
