@@ -52,7 +52,7 @@ if has bench; then
   grep -E "^\[|time limit|wrote" "$OUT/bench.log" | tail -60
 fi
 
-# (d) the masks benchmark (issue 21): varlen vs padded, sliding window, key padding, masked sdpa
+# (d) the masks benchmark: varlen vs padded, sliding window, key padding, masked sdpa
 if has masks; then
   # shellcheck disable=SC2086  # MASKS_ARGS is split into options on purpose
   FLASHJVP_POISON=0 python3 -m flashjvp.bench_masks --quick --time-limit "${MASKS_LIMIT:-240}" ${MASKS_ARGS:-} \

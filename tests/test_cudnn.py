@@ -1,4 +1,4 @@
-"""The plain forward and backward through PyTorch's cuDNN attention (``_cudnn.py``, issue 24).
+"""The plain forward and backward through PyTorch's cuDNN attention (``_cudnn.py``).
 
 On the GPU (marked ``gpu``; skipped where cuDNN attention is not usable): cuDNN's forward and
 backward against the float64 reference; the backward fed with the ``(o, lse)`` of flashjvp's

@@ -35,7 +35,7 @@ from flashjvp._launch import (
     new_buffer,
 )
 from flashjvp._policy import BWD_JVP_TILES, head_blocks, length_bucket, prune_bwd_jvp_configs, tile_configs
-from flashjvp._validate import AttnArgs
+from flashjvp._validate import AttnArgs, bhnd_view
 
 _KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK", "DOT_PREC",
         "HAS_TQ", "HAS_TK", "HAS_TV", "HAS_DO", "HAS_DTO"]
@@ -287,13 +287,7 @@ def _attn_bwd_jvp_dkdv_kernel(
 
 def _bhnd(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
     """``x`` as a contiguous (B, H, N, D) tensor (a copy unless it already is one)."""
-    if x is None:
-        return None
-    return (x if layout == "bhnd" else x.transpose(1, 2)).contiguous()
-
-
-def _in_layout(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
-    return x if (x is None or layout == "bhnd") else x.transpose(1, 2)
+    return None if x is None else bhnd_view(x, layout).contiguous()
 
 
 def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: AttnArgs):
@@ -331,4 +325,4 @@ def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: Att
         launch_tuned(_attn_bwd_jvp_dkdv_kernel, grid_kv, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v),
                      alt(do, o), alt(dto, o), lse, mu, dlse, delta, g, dk, dv, alt(dtk, dk), alt(dtv, dv),
                      *seqs, *mstrides, *sizes, **flags)
-    return tuple(_in_layout(x, L) for x in (dq, dk, dv, dtq, dtk, dtv))
+    return tuple(bhnd_view(x, L) for x in (dq, dk, dv, dtq, dtk, dtv))

@@ -1,6 +1,6 @@
 """The plain forward (no tangents) and the plain backward through PyTorch's cuDNN attention.
 
-Where cuDNN supports a case and measured faster (issue 24), ``attn_fwd`` without tangents and
+Where cuDNN supports a case and measured faster, ``attn_fwd`` without tangents and
 ``attn_bwd`` hand it to ``aten._scaled_dot_product_cudnn_attention`` and its backward, called
 directly (not through ``F.scaled_dot_product_attention``, so no backend choice and no autograd
 node is involved). Everything else, and every call with tangents, stays on flashjvp's Triton
@@ -60,7 +60,7 @@ import torch
 
 from flashjvp._launch import LaunchLog, record_launch
 from flashjvp._policy import cudnn_mode, length_bucket
-from flashjvp._validate import AttnArgs
+from flashjvp._validate import AttnArgs, bhnd_view
 
 __all__ = ["cudnn_fwd", "cudnn_bwd", "cudnn_supported", "use_cudnn", "dispatch_fwd", "dispatch_bwd",
            "CUDNN_FASTER", "Faster"]
@@ -143,11 +143,6 @@ def _philox(device: torch.device) -> torch.Tensor:
 # --------------------------------------------------------------------------- strides
 
 
-def _bhnd(x: torch.Tensor, layout: str) -> torch.Tensor:
-    """(B, H, N, D) view of a tensor given in ``layout``."""
-    return x if layout == "bhnd" else x.transpose(1, 2)
-
-
 def contiguous_strides(shape) -> tuple[int, ...]:
     strides, acc = [], 1
     for size in reversed(shape):
@@ -206,9 +201,9 @@ def cudnn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *,
     ``need_lse`` (cuDNN's inference kernel: no backward follows). For cases
     :func:`cudnn_supported` accepts (no check here)."""
     fwd, _ = _ops()
-    out = fwd(_bhnd(q, a.layout), _bhnd(k, a.layout), _bhnd(v, a.layout), None, need_lse, 0.0,
+    out = fwd(bhnd_view(q, a.layout), bhnd_view(k, a.layout), bhnd_view(v, a.layout), None, need_lse, 0.0,
               a.causal is not None, False, scale=a.scale)
-    o = _bhnd(out[0], a.layout)  # back to the call's layout
+    o = bhnd_view(out[0], a.layout)  # back to the call's layout
     o = with_strides(o, contiguous_strides(o.shape))
     if LaunchLog._active:
         record_launch("cudnn_sdpa_fwd", {}, CAUSAL=a.causal is not None, LAYOUT=a.layout, LSE=need_lse)
@@ -228,11 +223,11 @@ def cudnn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     conversion is a view, see the module docstring). Gradients have ``torch.empty_like``'s
     strides of their inputs. For cases :func:`cudnn_supported` accepts (no check here)."""
     _, bwd = _ops()
-    qb, kb, vb = _bhnd(q, a.layout), _bhnd(k, a.layout), _bhnd(v, a.layout)
+    qb, kb, vb = bhnd_view(q, a.layout), bhnd_view(k, a.layout), bhnd_view(v, a.layout)
     # o and dO with the strides cuDNN's forward gives o for this q (a function of q's strides)
     o_strides = matching_layout_strides(qb, (a.batch, a.h_q, a.n_q, a.d_v))
-    ob = with_strides(_bhnd(o, a.layout), o_strides, align=True)
-    dob = with_strides(_bhnd(do, a.layout), o_strides, align=True)
+    ob = with_strides(bhnd_view(o, a.layout), o_strides, align=True)
+    dob = with_strides(bhnd_view(do, a.layout), o_strides, align=True)
     if not lse.is_contiguous():
         lse = lse.contiguous()
     stats = lse.view(a.batch, a.h_q, a.n_q, 1) if stats_rank() == 4 else lse  # exact: a view
@@ -241,7 +236,7 @@ def cudnn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                      a.causal is not None, scale=a.scale)
     if LaunchLog._active:
         record_launch("cudnn_sdpa_bwd", {}, CAUSAL=a.causal is not None, LAYOUT=a.layout)
-    return tuple(with_strides(_bhnd(g, a.layout), empty_like_strides(x))
+    return tuple(with_strides(bhnd_view(g, a.layout), empty_like_strides(x))
                  for g, x in ((dq, q), (dk, k), (dv, v)))
 
 

@@ -397,9 +397,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     to = out_buffer(a, q) if jvp else None
     mu = stat_buffer(a, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
-    tensors = (q, k, v, tq, tk, tv, o, to)
-    strides = ([strides_bhnd(x, a.layout) for x in tensors] if a.varlen is None  # most calls
-               else [seq_strides(x, a) for x in tensors])
+    strides = [seq_strides(x, a) for x in (q, k, v, tq, tk, tv, o, to)]
     masks, mask_flags = mask_args(a)
     tma = a.varlen is None and use_tma((q, k, v, tq, tk, tv), kv_tangents=tk is not None or tv is not None,
                                        head_dims=(a.d_qk, a.d_v), n_k=a.n_k)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -76,6 +77,12 @@ class Varlen:
     max_k: int
     total_q: int
     total_k: int
+
+
+def bhnd_view(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
+    """The (B, H, N, D) view of a tensor given in ``layout`` (and back: the swap is its own
+    inverse); ``None`` stays ``None``."""
+    return x.transpose(1, 2) if (x is not None and layout == "bnhd") else x
 
 
 def _dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
@@ -235,7 +242,7 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
                     _norm_window(window), None, _check_mask(attn_mask, q, (b, h_q, n_q, n_k), allow_float64))
 
 
-def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device, check_values: bool) -> None:
+def _check_cu_seqlens(name: str, cu, max_len, max_name: str, device) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name}: expected an int32 torch.Tensor of shape (B + 1,), got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -246,9 +253,10 @@ def _check_cu_seqlens(name: str, cu, total: int, max_len, max_name: str, device,
         raise ValueError(f"{name}: expected device {device} (the device of q), got {cu.device}")
     if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral) or max_len < 0:
         raise TypeError(f"{max_name}: expected an int >= 0, got {max_len!r}")
-    if not check_values or torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return  # reading the values back would break the graph / the capture
-    host = cu.tolist()  # one device-to-host copy: a wrong offset would silently skip rows
+
+
+def _check_offsets(name: str, host: list[int], total: int, max_len: int, max_name: str) -> None:
+    """The values of one offsets tensor, read back to the host (``host``)."""
     lens = [e - s for s, e in zip(host, host[1:])]
     if host[0] != 0 or host[-1] != total or min(lens) < 0:
         raise ValueError(f"{name}: expected non-decreasing offsets from 0 to {total} (the packed length), "
@@ -281,13 +289,20 @@ def varlen_args(a: AttnArgs, device, cu_q, cu_k, max_q, max_k, *, check_values: 
     """``a`` (the checked (1, total, H, D) views of a packed batch) with its offsets checked and
     recorded: ``batch`` becomes the number of sequences, ``n_q``/``n_k`` the longest ones."""
     total_q, total_k = a.n_q, a.n_k
-    for name, cu, total, max_len, max_name in (("cu_seqlens_q", cu_q, total_q, max_q, "max_seqlen_q"),
-                                                ("cu_seqlens_k", cu_k, total_k, max_k, "max_seqlen_k")):
-        _check_cu_seqlens(name, cu, total, max_len, max_name, device, check_values)
+    checks = (("cu_seqlens_q", cu_q, total_q, max_q, "max_seqlen_q"),
+              ("cu_seqlens_k", cu_k, total_k, max_k, "max_seqlen_k"))
+    for name, cu, _, max_len, max_name in checks:
+        _check_cu_seqlens(name, cu, max_len, max_name, device)
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_k: expected shape {tuple(cu_q.shape)} (that of cu_seqlens_q), "
                          f"got {tuple(cu_k.shape)}")
-    batch = cu_q.shape[0] - 1
-    return AttnArgs(batch, a.h_q, a.h_kv, int(max_q), int(max_k), a.d_qk, a.d_v, a.causal, a.scale, "bnhd",
-                    None, a.window, Varlen(_plain(cu_q.contiguous()), _plain(cu_k.contiguous()), int(max_q),
-                                           int(max_k), total_q, total_k))
+    if check_values and not torch.compiler.is_compiling() \
+            and not (cu_q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # one device-to-host copy for both (a wrong offset would silently skip rows); reading the
+        # values back would break a compiled graph or a CUDA graph capture, so those skip it
+        hosts = torch.stack((cu_q, cu_k)).tolist()
+        for (name, _, total, max_len, max_name), host in zip(checks, hosts):
+            _check_offsets(name, host, total, max_len, max_name)
+    cu_q, cu_k = _plain(cu_q.contiguous()), _plain(cu_k.contiguous())
+    return dataclasses.replace(a, batch=cu_q.shape[0] - 1, n_q=int(max_q), n_k=int(max_k),
+                               varlen=Varlen(cu_q, cu_k, int(max_q), int(max_k), total_q, total_k))

@@ -437,6 +437,22 @@ def run(shapes, providers, modes, dtype, quick=False, time_limit=0.0, log=print,
     return rows
 
 
+def run_metadata(gpu: str, module: str, argv: list[str] | None) -> dict:
+    """What every report records about its run: the GPU, the versions, the date and the command
+    (``python -m module`` with ``argv``, or this process's arguments)."""
+    import triton
+
+    argv = sys.argv[1:] if argv is None else argv
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "-m", module, *argv])}
+
+
+def results_dir(gpu: str) -> Path:
+    """The default output folder of a run on ``gpu``: ``benchmarks/results/<gpu-name-slug>``."""
+    return Path("benchmarks/results") / re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+
+
 def _md_table(header: list[str], body: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in body]
@@ -640,7 +656,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("flashjvp.bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
 
     providers, unavailable, kernels = [], {}, {}
     for name in args.providers:
@@ -655,16 +670,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - reported, the other providers still run
             unavailable[spec] = _reason(e, [])
     gpu = torch.cuda.get_device_name()
-    argv_used = sys.argv[1:] if argv is None else argv
-    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join(["python", "-m", "flashjvp.bench", *argv_used]), "dtype": args.dtype,
+    meta = {**run_metadata(gpu, "flashjvp.bench", argv), "dtype": args.dtype,
             "quick": args.quick, "unavailable": unavailable, "kernels": kernels,
             "shapes": [asdict(s) | {"dims": s.dims} for s in shapes]}
     for k, v in {**unavailable, **kernels}.items():
         print(f"{k}: {v}", flush=True)
-    out = args.out or Path("benchmarks/results") / re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = args.out or results_dir(gpu)
     t0 = time.perf_counter()
     rows = run(shapes, providers, args.modes, DTYPES[args.dtype], args.quick, args.time_limit,
                log=lambda line: print(line, flush=True),

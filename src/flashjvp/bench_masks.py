@@ -1,6 +1,6 @@
-"""Benchmark of masked attention (issue 21): ``python -m flashjvp.bench_masks``.
+"""Benchmark of masked attention: ``python -m flashjvp.bench_masks``.
 
-Four cases (issue 21's item 7), each a group of timings taken in the same run (bf16 on CUDA), run
+Four cases, each a group of timings taken in the same run (bf16 on CUDA), run
 in the order 1, 3, 2, 4 so that a ``--time-limit`` cuts the least important last:
 
 1. ``varlen``: a packed batch of 8 sequences of mixed lengths (``attention_varlen*``) against the
@@ -29,25 +29,30 @@ import argparse
 import gc
 import json
 import os
-import platform
-import re
-import shlex
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from flashjvp._launch import LaunchLog
-from flashjvp.bench import MATH_MEMORY_FRACTION, MATH_NXN_BUFFERS, _fmt, _md_table, _reason, describe_tiles
+from flashjvp.bench import (
+    MATH_MEMORY_FRACTION,
+    MATH_NXN_BUFFERS,
+    _fmt,
+    _md_table,
+    _reason,
+    describe_tiles,
+    results_dir,
+    run_metadata,
+)
 
 CASE_ORDER = ("varlen", "window", "xattn-pad", "sdpa-mask")  # run order: cases 1, 3, 2, 4
-CASE_NUMBERS = {"1": "varlen", "2": "xattn-pad", "3": "window", "4": "sdpa-mask"}  # issue 21's numbering
+CASE_NUMBERS = {"1": "varlen", "2": "xattn-pad", "3": "window", "4": "sdpa-mask"}  # the cases' numbers
 MODES = ("fwd_jvp", "fwd", "fwd_bwd")
 ALL_TANGENTS, Q_TANGENT = "q,k,v", "q"
 # Full-size workloads; --tiny (a CPU smoke test) scales them down.
@@ -595,7 +600,7 @@ def select_cases(keys: list[str] | None) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m flashjvp.bench_masks",
                                  description="Benchmark flashjvp's varlen, window, key-padding and masked "
-                                             "SDPA paths (issue 21); see benchmarks/README.md.",
+                                             "SDPA paths; see benchmarks/README.md.",
                                  epilog="cases (run in the order 1, 3, 2, 4): "
                                         + ", ".join(f"{i}={c}" for i, c in CASE_NUMBERS.items()))
     ap.add_argument("--cases", nargs="+", help="case numbers or names (space/comma separated); default all")
@@ -614,7 +619,6 @@ def main(argv: list[str] | None = None) -> int:
         cases = select_cases(args.cases)
     except ValueError as e:
         ap.error(str(e))
-    import triton
 
     from flashjvp._policy import interpreting
 
@@ -629,13 +633,10 @@ def main(argv: list[str] | None = None) -> int:
         gpu = torch.cuda.get_device_name()
     torch.manual_seed(0)
     plan = make_plan(cases, sizes, device, dtype)
-    argv_used = sys.argv[1:] if argv is None else argv
-    meta = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join(["python", "-m", "flashjvp.bench_masks", *argv_used]),
+    meta = {**run_metadata(gpu, "flashjvp.bench_masks", argv),
             "dtype": str(dtype).removeprefix("torch."), "quick": args.quick, "time_limit": args.time_limit,
             "autotune": os.environ.get("FLASHJVP_AUTOTUNE", "1"), "cases": plan.cases, "sizes": asdict(sizes)}
-    out = args.out or Path("benchmarks/results") / re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = args.out or results_dir(gpu)
     t0 = time.perf_counter()
     rows = run(plan, quick=args.quick, time_limit=args.time_limit, timer=timer,
                log=lambda line: print(line, flush=True),

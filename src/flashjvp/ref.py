@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import torch
 
-from flashjvp._validate import AttnArgs, check_inputs, check_varlen
+from flashjvp._validate import AttnArgs, bhnd_view, check_inputs, check_varlen
 
 __all__ = ["attention_ref", "attention_jvp_ref", "attention_varlen_ref", "attention_varlen_jvp_ref"]
 
 
-def _to_bhnd(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
-    return x.transpose(1, 2) if (x is not None and layout == "bnhd") else x
-
-
-def _zero_fill(q, k, v, tq, tk, tv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tangents of q, k, v, zeros where not given."""
-    return tuple(torch.zeros_like(x) if t is None else t for x, t in ((q, tq), (k, tk), (v, tv)))
+def _jvp_with_lse(fn, q, k, v, tq, tk, tv, return_lse: bool):
+    """``torch.func.jvp`` of ``fn(q, k, v) -> (o, lse)`` with missing tangents as zeros: ``(o, to)``
+    or ``(o, to, lse, mu)``, ``mu = 0`` where ``lse = -inf``."""
+    tangents = tuple(torch.zeros_like(x) if t is None else t for x, t in ((q, tq), (k, tk), (v, tv)))
+    (o, lse), (to, mu) = torch.func.jvp(fn, (q, k, v), tangents)
+    mu = torch.where(torch.isinf(lse), torch.zeros_like(mu), mu)
+    return (o, to, lse, mu) if return_lse else (o, to)
 
 
 def _visible(a: AttnArgs, row0: int, rows: int, device) -> torch.Tensor | None:
@@ -105,7 +105,7 @@ def attention_ref(
     """
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, kv_lens=kv_lens, window=window,
                      attn_mask=attn_mask)
-    qb, kb, vb = (_to_bhnd(x, layout) for x in (q, k, v))
+    qb, kb, vb = (bhnd_view(x, layout) for x in (q, k, v))
     if a.groups > 1:
         kb = kb.repeat_interleave(a.groups, dim=1)
         vb = vb.repeat_interleave(a.groups, dim=1)
@@ -117,7 +117,7 @@ def attention_ref(
         lses.append(lse)
     o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
-    o = _to_bhnd(o, layout)
+    o = bhnd_view(o, layout)
     return (o, lse) if return_lse else o
 
 
@@ -130,15 +130,12 @@ def attention_jvp_ref(
     Shapes as in :func:`attention_ref`; ``to`` has the shape of ``o``, ``mu`` that of ``lse`` (B, Hq, Nq)
     (``mu = 0`` where ``lse = -inf``). Missing tangents are zero. Computed in the dtype of the inputs.
     """
-    tangents = _zero_fill(q, k, v, tq, tk, tv)
 
     def fn(q_, k_, v_):
         return attention_ref(q_, k_, v_, causal=causal, scale=scale, layout=layout,
                              return_lse=True, block_q=block_q, kv_lens=kv_lens, window=window, attn_mask=attn_mask)
 
-    (o, lse), (to, mu) = torch.func.jvp(fn, (q, k, v), tangents)
-    mu = torch.where(torch.isinf(lse), torch.zeros_like(mu), mu)
-    return (o, to, lse, mu) if return_lse else (o, to)
+    return _jvp_with_lse(fn, q, k, v, tq, tk, tv, return_lse)
 
 
 def attention_varlen_ref(
@@ -197,12 +194,9 @@ def attention_varlen_jvp_ref(
     """
     check_varlen(q, k, v, tq, tk, tv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  causal=causal, scale=scale, window=window, allow_float64=True)
-    tangents = _zero_fill(q, k, v, tq, tk, tv)
 
     def fn(q_, k_, v_):
         return attention_varlen_ref(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     causal=causal, scale=scale, window=window, return_lse=True, block_q=block_q)
 
-    (o, lse), (to, mu) = torch.func.jvp(fn, (q, k, v), tangents)
-    mu = torch.where(torch.isinf(lse), torch.zeros_like(mu), mu)
-    return (o, to, lse, mu) if return_lse else (o, to)
+    return _jvp_with_lse(fn, q, k, v, tq, tk, tv, return_lse)

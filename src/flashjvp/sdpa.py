@@ -164,19 +164,12 @@ def _differentiable(mask: torch.Tensor) -> bool:
             or fwAD.unpack_dual(mask).tangent is not None)
 
 
-def _unwrap(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean mask built under ``torch.func`` transforms, as the plain tensor the kernels read
-    (a boolean tensor has no derivative to keep)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(mask):
-        mask = torch._C._functorch.get_unwrapped(mask)
-    return mask
-
-
 def _mask_bhnd(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """``mask`` (broadcastable to (..., Hq, L, S)) as a (prod(batch), Hq, L, S) view that repeats
-    along broadcast dims (no copy for inputs of up to 4 dims)."""
+    along broadcast dims (no copy for inputs of up to 4 dims). ``flashjvp.attention`` unwraps it
+    from ``torch.func``'s wrappers (a boolean or constant mask has no derivative to keep)."""
     target = (*query.shape[:-1], key.shape[-2])
-    m = _unwrap(mask).expand(target)
+    m = mask.expand(target)
     return _to_bhnd(m) if m.dim() <= 4 else m.reshape(-1, *target[-3:])
 
 
