@@ -4,8 +4,9 @@
 #   bash scripts/gpu_suite.sh [STEPS]      STEPS: a comma-separated list of tests, bench, masks
 #                                          (default tests,bench)
 #
-# Environment: OUT (where logs and results go, default /tmp/flashjvp-gpu), TEST_LIMIT (seconds for
-# the tests, default 300), WORKERS (pytest-xdist workers, default 12), BENCH_LIMIT (the benchmark's
+# Environment: OUT (where logs and results go, default /tmp/flashjvp-gpu), TESTS (test files or
+# node ids, default tests), TEST_LIMIT (seconds for the tests, default 300; pytest is then
+# interrupted and still prints its summary), WORKERS (pytest-xdist workers, default 12), BENCH_LIMIT (the benchmark's
 # --time-limit, default 240), BENCH_ARGS (more options for python -m flashjvp.bench, e.g. --modes fwd_jvp),
 # MASKS_LIMIT (the masks benchmark's --time-limit, default 240), MASKS_ARGS (more options for
 # python -m flashjvp.bench_masks, e.g. --cases 1,3); FLASHJVP_AUTOTUNE is passed through.
@@ -32,7 +33,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # (b) the GPU tests: one fixed tile per kernel (no autotuning), outputs NaN-filled before each launch
 if has tests; then
   par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-12}")  # serial without pytest-xdist
-  FLASHJVP_AUTOTUNE=0 FLASHJVP_POISON=1 timeout -k 10 "${TEST_LIMIT:-300}" python3 -m pytest tests -q -rfE \
+  # shellcheck disable=SC2086  # TESTS is split into paths on purpose
+  FLASHJVP_AUTOTUNE=0 FLASHJVP_POISON=1 timeout -s INT -k 30 "${TEST_LIMIT:-300}" python3 -m pytest ${TESTS:-tests} -q -rfE \
     --tb=short "${par[@]}" -p no:cacheprovider --ignore=tests/test_example.py >"$OUT/tests.log" 2>&1 &
   tpid=$!
   wait "$tpid"; echo "tests: exit status $?"
