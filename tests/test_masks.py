@@ -122,6 +122,8 @@ def test_bad_masks():
         flashjvp.attention(q, k, v, attn_mask=torch.ones(5, 6, dtype=torch.bool, device=DEVICE))
     with pytest.raises(TypeError, match="^attn_mask: expected dtype"):
         flashjvp.attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="^attn_mask: expected dtype"):  # bytes are not booleans (SDPA's rule)
+        flashjvp.attention(q, k, v, attn_mask=torch.ones(5, 7, dtype=torch.uint8, device=DEVICE))
     with pytest.raises(ValueError, match="^attn_mask: a mask that requires grad"):
         flashjvp.attention(q, k, v, attn_mask=torch.zeros(5, 7, device=DEVICE, requires_grad=True))
     with pytest.raises(TypeError, match="^attn_mask: expected a torch.Tensor"):

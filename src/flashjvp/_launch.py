@@ -89,7 +89,8 @@ def _poisoned(x: torch.Tensor) -> torch.Tensor:
 
 def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """An output buffer the kernels overwrite completely (NaN-filled under FLASHJVP_POISON=1)."""
-    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
+    x = torch.empty(shape, dtype=dtype, device=device)
+    return _poisoned(x) if _POISON else x  # made several times per call: no call when not poisoning
 
 
 def buffer_like(x: torch.Tensor) -> torch.Tensor:
@@ -114,17 +115,16 @@ def lse_buffer(batch: int, heads: int, n: int, device) -> torch.Tensor:
 def out_buffer(a, like: torch.Tensor) -> torch.Tensor:
     """The attention output of the call ``a`` (an ``AttnArgs``), contiguous in its layout; for
     packed sequences the (1, total_q, Hq, Dv) view of the packed output."""
-    if a.varlen is not None:
-        return new_buffer((1, a.varlen.total_q, a.h_q, a.d_v), like.dtype, like.device)
-    return empty_out(a.batch, a.h_q, a.n_q, a.d_v, a.layout, like)
+    shape = ((1, a.varlen.total_q, a.h_q, a.d_v) if a.varlen is not None
+             else out_shape(a.batch, a.h_q, a.n_q, a.d_v, a.layout))
+    return new_buffer(shape, like.dtype, like.device)
 
 
 def stat_buffer(a, device) -> torch.Tensor:
     """Per-row float32 statistics (lse, mu, delta) of the call ``a``: (B, Hq, Nq); (1, Hq, total_q)
     for packed sequences."""
-    if a.varlen is not None:
-        return new_buffer((1, a.h_q, a.varlen.total_q), torch.float32, device)
-    return lse_buffer(a.batch, a.h_q, a.n_q, device)
+    shape = (1, a.h_q, a.varlen.total_q) if a.varlen is not None else (a.batch, a.h_q, a.n_q)
+    return new_buffer(shape, torch.float32, device)
 
 
 def stat_strides(a) -> tuple[int, int]:
@@ -141,6 +141,14 @@ def seq_strides(x: torch.Tensor | None, a) -> tuple[int, int, int, int]:
     if a.varlen is None:
         return strides_bhnd(x, a.layout)
     return (0, *strides_bhnd(x, a.layout)[1:])
+
+
+def all_seq_strides(xs, a) -> list[tuple[int, int, int, int]]:
+    """``seq_strides`` of each of a launch's tensors ``xs`` (``None`` allowed), in one call: a
+    launch passes about eight, and short calls are bound by this host code."""
+    if a.varlen is None and a.layout == "bhnd":
+        return [(0, 0, 0, 0) if x is None else x.stride() for x in xs]
+    return [seq_strides(x, a) for x in xs]
 
 
 # mask_args of the calls without a window, packed batch or mask, by causal alignment (most calls:
@@ -160,7 +168,7 @@ def mask_args(a) -> tuple[tuple[int, int, int], dict]:
     right, left = a.window_right, a.window_left
     m = a.mask
     flags = dict(RIGHT=right >= 0, LEFT=left >= 0, VARLEN=a.varlen is not None, HAS_MASK=m is not None,
-                 MASK_BOOL=m is not None and m.dtype == torch.uint8,
+                 MASK_BOOL=m is not None and m.dtype == torch.bool,
                  MASK_ROWS=m is not None and m.stride(2) != 0)
     return (int(a.causal == "bottom_right"), max(right, 0), max(left, 0)), flags
 
@@ -168,7 +176,7 @@ def mask_args(a) -> tuple[tuple[int, int, int], dict]:
 def aux_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernels' KV_LENS, CU_Q, CU_K and MASK pointers (``stand_in`` where absent: never read)."""
     kv = stand_in if a.kv_lens is None else a.kv_lens
-    mask = stand_in if a.mask is None else a.mask
+    mask = stand_in if a.mask is None else a.mask.view(torch.uint8) if a.mask.dtype == torch.bool else a.mask
     if a.varlen is None:
         return kv, stand_in, stand_in, mask
     return kv, a.varlen.cu_q, a.varlen.cu_k, mask

@@ -39,7 +39,7 @@ class AttnArgs:
     # packed variable-length batch (attention_varlen), or None for the dense (B, ...) layouts
     varlen: Varlen | None = field(default=None, compare=False)
     # attention mask: a (B, Hq, Nq, Nk) view (stride 0 along broadcast dims), float32 / the inputs'
-    # dtype (added to the logits) or uint8 (a boolean mask: non-zero = attend); or None
+    # dtype (added to the logits) or bool (True = attend); or None
     mask: torch.Tensor | None = field(default=None, compare=False)
 
     @property
@@ -154,14 +154,16 @@ def _norm_window(window) -> tuple[int, int] | None:
 
 def _check_mask(mask, q, shape: tuple[int, int, int, int], any_float: bool) -> torch.Tensor | None:
     """``mask`` as the kernels read it: a (B, Hq, Nq, Nk) view that repeats along broadcast dims
-    (stride 0, nothing copied), uint8 for a boolean mask. ``any_float``: the reference's rule (a
-    float mask of any precision), else float32 or q's dtype."""
+    (stride 0, nothing copied), of the mask's own dtype. ``any_float``: the reference's rule (a
+    float mask of any precision), else float32 or q's dtype. A boolean mask stays bool here: the
+    launchers reinterpret it as bytes for the kernels (a dtype view that Inductor cannot lower in
+    a compiled graph, so it happens inside the operators)."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(mask).__name__}")
     floats = (torch.float32, q.dtype)
-    if mask.dtype not in (torch.bool, torch.uint8) + floats and not (any_float and mask.is_floating_point()):
+    if mask.dtype not in (torch.bool,) + floats and not (any_float and mask.is_floating_point()):
         raise TypeError(f"attn_mask: expected dtype torch.bool, torch.float32 or {q.dtype} (that of q), "
                         f"got {mask.dtype}")
     if mask.device != q.device:
@@ -172,8 +174,6 @@ def _check_mask(mask, q, shape: tuple[int, int, int, int], any_float: bool) -> t
     if mask.dim() > 4 or any(m not in (1, n) for m, n in zip(mask.shape[::-1], shape[::-1])):
         raise ValueError(f"attn_mask: expected a shape broadcastable to {shape} (B, Hq, Nq, Nk), "
                          f"got {tuple(mask.shape)}")
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
     return _plain(mask[(None,) * (4 - mask.dim())].expand(shape))
 
 
@@ -237,9 +237,33 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
         if t.device != x.device:
             raise ValueError(f"{name}: expected device {x.device} (that of {name[1]}), "
                              f"got {t.device}")
-    return AttnArgs(b, h_q, h_kv, n_q, n_k, d_qk, d_v, _norm_causal(causal),
-                    _norm_scale(scale, d_qk), layout, _check_kv_lens(kv_lens, b, q.device),
-                    _norm_window(window), None, _check_mask(attn_mask, q, (b, h_q, n_q, n_k), allow_float64))
+    sizes = (b, h_q, h_kv, n_q, n_k, d_qk, d_v, _norm_causal(causal), _norm_scale(scale, d_qk), layout)
+    if kv_lens is None and window is None and attn_mask is None:
+        return _plain_args(sizes)
+    return AttnArgs(*sizes, None if kv_lens is None else _check_kv_lens(kv_lens, b, q.device),
+                    None if window is None else _norm_window(window), None,
+                    None if attn_mask is None else _check_mask(attn_mask, q, (b, h_q, n_q, n_k), allow_float64))
+
+
+# AttnArgs of the calls without options beyond causal and scale, by their sizes: building a frozen
+# dataclass sets each field through object.__setattr__, as much host time as the rest of the
+# checks, while a model repeats the same few shapes. Shared safely: AttnArgs is immutable.
+_PLAIN_ARGS: dict[tuple, AttnArgs] = {}
+_PLAIN_ARGS_MAX = 256
+
+
+def _plain_args(sizes: tuple) -> AttnArgs:
+    if torch.compiler.is_compiling():  # Dynamo would guard on the cache's contents
+        return AttnArgs(*sizes)
+    try:
+        a = _PLAIN_ARGS.get(sizes)
+    except TypeError:  # symbolic sizes (SymInt, e.g. under a ShapeEnv) cannot be hashed
+        return AttnArgs(*sizes)
+    if a is None:
+        if len(_PLAIN_ARGS) >= _PLAIN_ARGS_MAX:  # many distinct shapes: start over rather than grow
+            _PLAIN_ARGS.clear()
+        a = _PLAIN_ARGS[sizes] = AttnArgs(*sizes)
+    return a
 
 
 def _check_cu_seqlens(name: str, cu, max_len, max_name: str, device) -> None:

@@ -73,8 +73,7 @@ def _ref(q, k, v, tq, tk, tv, a: AttnArgs, *, jvp: bool):
             return attention_varlen_ref(*sq[:3], *packed, **kw).unsqueeze(0)
         o, to, lse, mu = attention_varlen_jvp_ref(*sq[:3], *packed, *sq[3:], return_lse=True, **kw)
         return o.unsqueeze(0), to.unsqueeze(0), lse.unsqueeze(0), mu.unsqueeze(0)
-    mask = None if a.mask is None else (a.mask.view(torch.bool) if a.mask.dtype == torch.uint8 else a.mask)
-    kw.update(layout=a.layout, block_q=_cpu_block(q), kv_lens=a.kv_lens, attn_mask=mask)
+    kw.update(layout=a.layout, block_q=_cpu_block(q), kv_lens=a.kv_lens, attn_mask=a.mask)
     if not jvp:
         return attention_ref(q, k, v, **kw)
     return attention_jvp_ref(q, k, v, tq, tk, tv, return_lse=True, **kw)

@@ -56,10 +56,10 @@ def _block_lse_attention(q, k, v, a: AttnArgs, row0: int):
     """Math attention for one block of query rows; q (B,Hq,rows,D), k/v (B,Hq,Nk,D)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * a.scale
     mask = _visible(a, row0, q.shape[-2], q.device)
-    if a.mask is not None:  # (B, Hq, Nq, Nk) view: uint8 (a boolean mask) or float (added to the logits)
+    if a.mask is not None:  # (B, Hq, Nq, Nk) view: bool (True = attend) or float (added to the logits)
         user = a.mask[:, :, row0 : row0 + q.shape[-2]]
-        if user.dtype == torch.uint8:
-            mask = user != 0 if mask is None else mask & (user != 0)
+        if user.dtype == torch.bool:
+            mask = user if mask is None else mask & user
         else:
             s = s + user.to(s.dtype)
     if mask is not None:
