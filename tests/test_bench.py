@@ -128,6 +128,11 @@ def test_merge_reports(tmp_path):
     md = (out / "bench.md").read_text()
     assert "cmd0" in md and "cmd1" in md and "1.50x" in md
     assert "kernel reference: ref.py:attention" in md and "jvp-flash-attention: not available" not in md
+    # a merged report merged again keeps one line per run
+    again = tmp_path / "again"
+    assert bench.main(["--merge", str(out / "bench.json"), str(tmp_path / "run1/bench.json"), "--out", str(again)]) == 0
+    assert [r["command"] for r in json.loads((again / "bench.json").read_text())["runs"]] == ["cmd0", "cmd1", "cmd1"]
+    assert "1. day0: `cmd0`\n2. day1: `cmd1`\n3. day1: `cmd1`" in (again / "bench.md").read_text()
     with pytest.raises(SystemExit):
         bench.main(["--merge", str(tmp_path / "run0/bench.json")])  # --out is required
 

@@ -491,9 +491,14 @@ def skip_speedups(rows: list[Row]) -> list[tuple[str, str, str, float, float, fl
 
 def format_report(rows: list[Row], meta: dict) -> str:
     """Markdown: a table per mode, then flashjvp's speedups and the zero-tangent speedup."""
-    parts = [f"# flashjvp benchmark: {meta.get('gpu', '?')}",
-             f"torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, {meta.get('dtype', '?')}, "
-             f"{meta.get('date', '?')}  \n`{meta.get('command', '')}`"]
+    versions = f"torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, {meta.get('dtype', '?')}"
+    runs = meta.get("runs") or []
+    if len(runs) > 1:  # a merged report: each run on its own line, a later measurement wins
+        head = [f"{versions}; {len(runs)} runs, a later measurement replacing an earlier one:",
+                "\n".join(f"{i}. {r.get('date', '?')}: `{r.get('command', '')}`" for i, r in enumerate(runs, 1))]
+    else:
+        head = [f"{versions}, {meta.get('date', '?')}  \n`{meta.get('command', '')}`"]
+    parts = [f"# flashjvp benchmark: {meta.get('gpu', '?')}", *head]
     notes = [f"- {k}: not available ({v})" for k, v in meta.get("unavailable", {}).items()]
     notes += [f"- kernel {k}: {v}" for k, v in meta.get("kernels", {}).items()]
     parts += ["\n".join(notes)] if notes else []
@@ -590,7 +595,7 @@ def merge_reports(paths: list[Path]) -> tuple[list[Row], dict]:
             key = (row.shape, row.provider, row.mode)
             if row.skip is None or key not in rows or rows[key].skip is not None:
                 rows[key] = row
-        runs.append({k: data.get(k) for k in ("date", "command", "wall_s")})
+        runs.extend(data.pop("runs", None) or [{k: data.get(k) for k in ("date", "command", "wall_s")}])
         kernels.update(data.pop("kernels", None) or {})
         unavailable.update(data.pop("unavailable", None) or {})
         meta = {**meta, **data}
