@@ -35,7 +35,7 @@ if has tests; then
   par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-12}")  # serial without pytest-xdist
   # shellcheck disable=SC2086  # TESTS is split into paths on purpose
   FLASHJVP_AUTOTUNE=0 FLASHJVP_POISON=1 timeout -s INT -k 30 "${TEST_LIMIT:-300}" python3 -m pytest ${TESTS:-tests} -q -rfE \
-    --tb=short "${par[@]}" -p no:cacheprovider --ignore=tests/test_example.py >"$OUT/tests.log" 2>&1 &
+    --tb=short --durations=40 "${par[@]}" -p no:cacheprovider --ignore=tests/test_example.py >"$OUT/tests.log" 2>&1 &
   tpid=$!
   wait "$tpid"; echo "tests: exit status $?"
   # xdist workers can outlive a timed-out run: end what is left of timeout's process group
