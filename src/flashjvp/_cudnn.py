@@ -52,14 +52,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from flashjvp._launch import LaunchLog, record_launch
-from flashjvp._policy import cudnn_mode, length_bucket
+from flashjvp._policy import cudnn_mode, env, length_bucket
 from flashjvp._validate import AttnArgs, bhnd_view
 
 __all__ = ["cudnn_fwd", "cudnn_bwd", "cudnn_supported", "use_cudnn", "dispatch_fwd", "dispatch_bwd",
@@ -272,7 +271,7 @@ def _arch_ok(index: int) -> bool:
 def _avoid_recompile() -> bool:
     """``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` on: PyTorch's cuDNN backward then expects a (B, Nq, H)
     ordered LSE and ragged offsets derived from its strides, so flashjvp's LSE cannot go there."""
-    value = os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "")
+    value = env("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "")
     return value.strip().lower() not in ("", "0", "false", "off", "no", "n")
 
 
@@ -366,7 +365,10 @@ CUDNN_FASTER: tuple[Faster, ...] = (Faster(),)
 
 
 def listed_faster(dtype: torch.dtype, a: AttnArgs, *, backward: bool) -> bool:
-    return any(row.matches(dtype, a, backward) for row in CUDNN_FASTER)
+    for row in CUDNN_FASTER:  # a loop, not any() over a generator: asked on every plain call
+        if row.matches(dtype, a, backward):
+            return True
+    return False
 
 
 # Shape classes where cuDNN raised: {refusal_key: message}; never retried in this process.

@@ -34,6 +34,7 @@ from flashjvp._jit import (
     visible,
 )
 from flashjvp._launch import (
+    all_seq_strides,
     aux_tensors,
     dot_precision,
     ensure_tma_allocator,
@@ -42,7 +43,6 @@ from flashjvp._launch import (
     mask_args,
     mask_strides,
     out_buffer,
-    seq_strides,
     stat_buffer,
     stat_strides,
     strides_bhnd,
@@ -397,7 +397,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     to = out_buffer(a, q) if jvp else None
     mu = stat_buffer(a, q.device) if (jvp and store_mu) else None
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
-    strides = [seq_strides(x, a) for x in (q, k, v, tq, tk, tv, o, to)]
+    strides = all_seq_strides((q, k, v, tq, tk, tv, o, to), a)
     masks, mask_flags = mask_args(a)
     tma = a.varlen is None and use_tma((q, k, v, tq, tk, tv), kv_tangents=tk is not None or tv is not None,
                                        head_dims=(a.d_qk, a.d_v), n_k=a.n_k)

@@ -25,41 +25,77 @@ import triton
 # --------------------------------------------------------------------------- environment
 
 
+# Names already encoded for os.environ's own store, and decoded values by their stored form.
+_ENV_KEYS: dict = {}
+_ENV_VALUES: dict = {}
+
+
+def env(name: str, default: str) -> str:
+    """``os.environ.get(name, default)`` for switches read on every call. ``os.environ.get`` of an
+    unset variable raises and catches a KeyError inside, which costs as much as several of a short
+    call's argument checks; this looks the encoded name up in the dict behind ``os.environ``,
+    which every change made through ``os.environ`` (``monkeypatch.setenv`` included) updates."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if type(data) is not dict:  # not CPython's os._Environ: its public interface
+        return environ.get(name, default)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = environ.encodekey(name)
+    raw = data.get(key)
+    if raw is None:
+        return default
+    value = _ENV_VALUES.get(raw)
+    if value is None:
+        if len(_ENV_VALUES) > 64:  # a program cycling through many values: stay small
+            _ENV_VALUES.clear()
+        value = _ENV_VALUES[raw] = environ.decodevalue(raw)
+    return value
+
+
 def interpreting() -> bool:
     """True when Triton kernels run on the CPU through ``TRITON_INTERPRET=1``."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env("TRITON_INTERPRET", "0") == "1"
 
 
 def autotuning() -> bool:
-    return os.environ.get("FLASHJVP_AUTOTUNE", "1") != "0"
+    return env("FLASHJVP_AUTOTUNE", "1") != "0"
 
 
 def poisoning() -> bool:
-    return os.environ.get("FLASHJVP_POISON", "0") == "1"
+    return env("FLASHJVP_POISON", "0") == "1"
 
 
 TMA_MODES = ("auto", "0", "1")
 
 
 def tma_mode() -> str:
-    mode = os.environ.get("FLASHJVP_TMA", "auto")
+    mode = env("FLASHJVP_TMA", "auto")
     if mode not in TMA_MODES:
         raise ValueError(f"FLASHJVP_TMA: expected one of {list(TMA_MODES)}, got {mode!r}")
     return mode
 
 
 def tail_split_enabled() -> bool:
-    return os.environ.get("FLASHJVP_TAIL_SPLIT", "1") != "0"
+    return env("FLASHJVP_TAIL_SPLIT", "1") != "0"
+
+
+_CUDNN_MODES = {"auto": "auto", "": "auto", "0": "never", "never": "never", "1": "always", "always": "always"}
 
 
 def cudnn_mode() -> str:
     """``FLASHJVP_CUDNN``, read at each call: ``"auto"`` (default: PyTorch's cuDNN attention for
     the plain forward and backward where it is supported and listed faster, ``_cudnn.py``),
-    ``"never"`` (``0``) or ``"always"`` (``1``: wherever supported)."""
-    value = os.environ.get("FLASHJVP_CUDNN", "auto").strip().lower()
-    mode = {"auto": "auto", "": "auto", "0": "never", "never": "never", "1": "always", "always": "always"}.get(value)
+    ``"never"`` (``0``) or ``"always"`` (``1``: wherever supported); case and surrounding spaces
+    are ignored."""
+    raw = env("FLASHJVP_CUDNN", "auto")
+    mode = _CUDNN_MODES.get(raw)  # the usual spellings as they are, without normalising them
     if mode is None:
-        raise ValueError(f"FLASHJVP_CUDNN: expected one of ['auto', '0', '1', 'never', 'always'], got {value!r}")
+        value = raw.strip().lower()
+        mode = _CUDNN_MODES.get(value)
+        if mode is None:
+            raise ValueError(f"FLASHJVP_CUDNN: expected one of ['auto', '0', '1', 'never', 'always'], "
+                             f"got {value!r}")
     return mode
 
 
