@@ -39,6 +39,10 @@ def _mask(kind: str, b: int, h: int, nq: int, nk: int, dtype: torch.dtype) -> to
     elif kind == "bool-per-head":  # with a row that sees nothing
         m = torch.rand(b, h, nq, nk, generator=g) > 0.5
         m[0, 0, 3] = False
+    elif kind == "bool-query-rows":  # (B, 1, Nq, 1): whole rows on or off, read per row, not per key
+        m = torch.rand(b, 1, nq, 1, generator=g) > 0.3
+        m[0, 0, 2] = False
+        m[0, 0, 0] = True
     elif kind == "bool-rows":  # (Nq, Nk): the same for every batch element and head
         m = torch.rand(nq, nk, generator=g) > 0.2
     elif kind == "float-heads":  # (1, H, Nq, Nk), with -inf entries
@@ -50,7 +54,7 @@ def _mask(kind: str, b: int, h: int, nq: int, nk: int, dtype: torch.dtype) -> to
     return m.to(DEVICE)
 
 
-KINDS = ["key-padding", "bool-per-head", "bool-rows", "float-heads", "float-keys"]
+KINDS = ["key-padding", "bool-per-head", "bool-query-rows", "bool-rows", "float-heads", "float-keys"]
 
 
 def _inputs(shape, kind, dtype):

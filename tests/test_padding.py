@@ -66,6 +66,25 @@ def test_backward(case, lens, causal, dtype):
         assert_close(name, x.grad, t, lp, dtype)
 
 
+def test_strided_kv_lens():
+    """kv_lens as a strided int32 view (every other element of a longer tensor): the kernels read
+    one length per batch element, so they must get the lengths, not the neighbours in memory."""
+    xs = make_qkv(2, 2, 2, 37, 45, 16, 16, "bhnd", torch.float32)
+    lens = torch.tensor([17, 99, 30, 99], dtype=torch.int32, device=DEVICE)[::2]
+    assert not lens.is_contiguous()
+    truth, lowp = jvp_refs(*xs, kv_lens=torch.tensor([17, 30], device=DEVICE))
+    out = flashjvp.attention_jvp(*xs, kv_lens=lens, return_lse=True)
+    for name, got, t, lp in zip(("o", "to", "lse", "mu"), out, truth, lowp):
+        assert_close(name, got, t, lp, torch.float32)
+    leaves = [x.detach().requires_grad_() for x in xs[:3]]
+    o = flashjvp.attention(*leaves, kv_lens=lens)
+    do = torch.randn_like(o)
+    o.backward(do)
+    truth, lowp = grad_refs(*xs[:3], do, kv_lens=torch.tensor([17, 30], device=DEVICE))
+    for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth, lowp):
+        assert_close(name, x.grad, t, lp, torch.float32)
+
+
 @pytest.mark.parametrize("causal", CAUSAL)
 def test_second_order(causal):
     xs, kw = _inputs((2, 2, 1, 21, 30, 16, 16, "bhnd"), [11, 0], torch.float32)

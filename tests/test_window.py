@@ -32,9 +32,16 @@ _CASES = {
     "one-query-bottom-right": ((2, 2, 1, 1, 45, 40, 24, "bnhd"), (4, 2), "bottom_right", None),
     "one-key-causal": ((1, 2, 2, 37, 1, 16, 16, "bhnd"), (2, 0), True, None),
     "left5-causal-nq-gt-nk-kvlens": ((1, 2, 2, 45, 37, 24, 24, "bnhd"), (5, -1), True, [30]),
+    # Bounds one past a block edge (the interpreter's blocks are 16 wide): an off-by-one in the block
+    # ranges (which blocks a row or key visits) shows only at such offsets.
+    "1x1-self": ((1, 2, 2, 37, 37, 16, 16, "bhnd"), (1, 1), False, None),
+    "17x17-self-bnhd": ((1, 2, 2, 37, 37, 16, 16, "bnhd"), (17, 17), False, None),
+    "bottom-right-nk-nq-plus-1": ((1, 2, 2, 37, 38, 16, 16, "bhnd"), None, "bottom_right", None),
 }
 if ON_GPU:
     _CASES |= {
+        # one past the GPU tiles' 64- and 128-wide edges on both sides
+        "65x129-gqa-d64": ((1, 4, 2, 1000, 1100, 64, 64, "bhnd"), (65, 129), False, None),
         "left256-causal-gqa-1024-d128": ((2, 8, 2, 1000, 1024, 128, 128, "bnhd"), (256, 0), True, None),
         "128x128-2048-d128": ((1, 4, 4, 2048, 2048, 128, 128, "bhnd"), (128, 128), False, None),
         "left256-bottom-right-kvlens-d128": ((2, 4, 4, 1537, 2048, 128, 64, "bhnd"), (256, 0), "bottom_right",
@@ -75,7 +82,8 @@ def test_forward_and_jvp(case, dtype):
 
 _BACKWARD = ["left3-self", "7x7-causal-gqa-d32x24", "left16-bottom-right-mqa", "right4-kvlens",
              "diagonal-nq-gt-nk", "wider-than-seq-bottom-right-kvlens", "one-query-bottom-right",
-             "left5-causal-nq-gt-nk-kvlens", "left256-causal-gqa-1024-d128", "128x128-2048-d128"]
+             "left5-causal-nq-gt-nk-kvlens", "1x1-self", "17x17-self-bnhd", "bottom-right-nk-nq-plus-1",
+             "65x129-gqa-d64", "left256-causal-gqa-1024-d128", "128x128-2048-d128"]
 
 
 @pytest.mark.parametrize(("case", "dtype"), _params(_BACKWARD))
@@ -121,6 +129,7 @@ def test_unbounded_window_is_no_window():
 
 _BAD = [
     pytest.param((-2, 0), ValueError, id="negative"),
+    pytest.param((0, -2), ValueError, id="negative-right"),
     pytest.param((1,), TypeError, id="one-int"),
     pytest.param("x", TypeError, id="string"),
     pytest.param((1.0, 2), TypeError, id="float"),
@@ -194,6 +203,10 @@ def test_reference_attn_mask_agrees_with_window():
         got, lse = flashjvp.attention_ref(q, k, v, attn_mask=mask, layout="bnhd", return_lse=True, block_q=4)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    keep = torch.rand(b, 1, nq, nk) > 0.3  # a bool mask combines with the window: both must allow a pair
+    got = flashjvp.attention_ref(q, k, v, causal=causal, window=window, attn_mask=keep, layout="bnhd")
+    want = flashjvp.attention_ref(q, k, v, attn_mask=dense[:, None] & keep, layout="bnhd")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     bias = torch.randn(h, nq, nk)  # broadcast over the batch
     got = flashjvp.attention_ref(q, k, v, causal=causal, window=window, attn_mask=bias, layout="bnhd")
     s = (q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)) * d ** -0.5 + bias
