@@ -89,8 +89,7 @@ def _poisoned(x: torch.Tensor) -> torch.Tensor:
 
 def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """An output buffer the kernels overwrite completely (NaN-filled under FLASHJVP_POISON=1)."""
-    x = torch.empty(shape, dtype=dtype, device=device)
-    return _poisoned(x) if _POISON else x  # made several times per call: no call when not poisoning
+    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
 
 
 def buffer_like(x: torch.Tensor) -> torch.Tensor:
