@@ -32,6 +32,12 @@ CASES = [
     ("scale-neg", {}, dict(scale=-1.0), ValueError, r"scale: expected a positive finite"),
     ("scale-nan", {}, dict(scale=float("nan")), ValueError, r"scale: expected a positive finite"),
     ("scale-type", {}, dict(scale="0.1"), TypeError, r"scale: expected a positive finite float or None, got str"),
+    ("scale-bool", {}, dict(scale=True), TypeError, r"scale: expected a positive finite float or None, got bool"),
+    ("causal-int", {}, dict(causal=1), ValueError, r"causal: expected False, True"),
+    ("causal-zero", {}, dict(causal=0), ValueError, r"causal: expected False, True"),
+    ("empty-q", dict(q=torch.randn(2, 4, 0, 16)), {}, ValueError, r"q: expected sequence length >= 1, got 0"),
+    ("empty-kv", dict(k=torch.randn(2, 2, 0, 16), v=torch.randn(2, 2, 0, 8)), {}, ValueError,
+     r"k: expected sequence length >= 1, got 0"),
 ]
 
 
@@ -48,13 +54,14 @@ TANGENT_CASES = [
     ("shape", dict(tq=torch.randn(2, 4, 8, 8)), ValueError, r"tq: expected shape \(2, 4, 8, 16\)"),
     ("dtype", dict(tk=torch.randn(2, 2, 6, 16).half()), TypeError, r"tk: expected dtype torch.float32"),
     ("type", dict(tv=3.0), TypeError, r"tv: expected a torch.Tensor or None"),
+    ("device", dict(tq=torch.empty(2, 4, 8, 16, device="meta")), ValueError, r"tq: expected device"),
 ]
 
 
 @pytest.mark.parametrize("tangent, exc, msg", [c[1:] for c in TANGENT_CASES], ids=[c[0] for c in TANGENT_CASES])
 def test_bad_tangent_raises(tangent, exc, msg):
     args = _qkv()
-    tangent = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in tangent.items()}
+    tangent = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) and not t.is_meta else t) for n, t in tangent.items()}
     with pytest.raises(exc, match=msg):
         flashjvp.attention_jvp(args["q"], args["k"], args["v"], **tangent)
 

@@ -12,6 +12,7 @@ from helpers import (
     assert_close,
     check_jvp,
     force_fwd_tile,
+    grad_refs,
     jvp_refs,
     make_qkv,
     spy_autotuner,
@@ -25,6 +26,7 @@ SHAPES = [
     pytest.param((1, 2, 2, 19, 53, 96, 72), id="cross19x53-d96x72"),
     pytest.param((1, 2, 1, 5, 7, 1, 3), id="mqa-d1x3"),
     pytest.param((1, 1, 1, 17, 9, 256, 200), id="d256x200"),
+    pytest.param((1, 4, 2, 21, 19, 36, 20), id="gqa2-21x19-d36x20"),  # q heads 0,1 -> kv 0; 2,3 -> kv 1
 ]
 CAUSAL = [pytest.param(c, id=f"causal={c}") for c in (False, "top_left", "bottom_right")]
 DT = [pytest.param(d, id=DTYPE_IDS[d]) for d in DTYPES]
@@ -62,6 +64,26 @@ def test_attention_forward_matches_reference(shape, causal, dtype):
     o = flashjvp.attention(q, k, v, causal=causal, layout=layout)
     truth = flashjvp.attention_ref(q.double(), k.double(), v.double(), causal=causal, layout=layout)
     assert_close("o", o, truth, flashjvp.attention_ref(q, k, v, causal=causal, layout=layout), dtype)
+
+
+@pytest.mark.parametrize("d", [36, 20])
+def test_strides_a_multiple_of_4_not_8(d):
+    """Contiguous tensors whose strides are multiples of 4 elements but not of 8: the kernels must
+    run with 16-byte vector loads off (ALIGN=1), forward, tangent and backward."""
+    from flashjvp._launch import vector_align
+    q, k, v, tq, tk, tv = make_qkv(1, 4, 2, 21, 19, d, d, "bhnd", torch.float32, ("contiguous",))
+    assert vector_align([x.stride() for x in (q, k, v)], d, d) == 1
+    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv)
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv)
+    assert_close("o", o, truth[0], lowp[0], torch.float32)
+    assert_close("to", to, truth[1], lowp[1], torch.float32)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = flashjvp.attention(*leaves)
+    do = torch.randn_like(o)
+    o.backward(do)
+    truth, lowp = grad_refs(q, k, v, do)
+    for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth, lowp):
+        assert_close(name, x.grad, t, lp, torch.float32)
 
 
 def test_long_self_attention_n999():

@@ -198,6 +198,7 @@ def test_masks_run_the_kernels(name):
 FALLBACKS = {
     "dropout": dict(dropout_p=0.3),
     "negative_scale": dict(scale=-0.4),
+    "zero_scale": dict(scale=0.0),
 }
 
 
