@@ -36,7 +36,7 @@ from flashjvp._cudnn import (
 )
 from flashjvp._launch import LaunchLog
 from flashjvp._policy import cudnn_mode
-from flashjvp._validate import AttnArgs, check_inputs
+from flashjvp._validate import check_inputs
 from helpers import DTYPE_IDS, ON_GPU, assert_close, f64, grad_refs, jvp_refs, make_qkv
 
 HALF = [pytest.param(d, id=DTYPE_IDS[d]) for d in (torch.float16, torch.bfloat16)]
@@ -492,9 +492,10 @@ def test_predicate_rules(monkeypatch):
     assert not cudnn_supported(*case(d=64, dv=128))
     assert not cudnn_supported(*case(dtype=torch.float32))
     assert not cudnn_supported(*case(n_k=1))
-    if "mask" in {f.name for f in dataclasses.fields(AttnArgs)}:  # an attention mask never goes to cuDNN
-        q, k, v, a = case()
-        assert not cudnn_supported(q, k, v, dataclasses.replace(a, mask=torch.zeros(1, 2, 512, 512)))
+    q, k, v, a = case()
+    assert not cudnn_supported(q, k, v, dataclasses.replace(a, mask=torch.zeros(1, 2, 512, 512)))
+    assert not cudnn_supported(q, k, v, dataclasses.replace(a, batch=65536))  # cuDNN's grid limits
+    assert not cudnn_supported(q, k, v, dataclasses.replace(a, h_q=65536))
     monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
     assert not cudnn_supported(*case())
 
@@ -522,6 +523,11 @@ def test_stride_helpers():
     assert z.is_contiguous() and torch.equal(z, x.transpose(2, 3))
     assert _cudnn.empty_like_strides(q.transpose(1, 2)) == contiguous_strides((2, 5, 4, 64))
     assert _cudnn.empty_like_strides(x.transpose(2, 3)) == x.transpose(2, 3).stride()
+    off = torch.randn(2 * 4 * 5 * 8 + 1)[1:].view(2, 4, 5, 8)  # 4 bytes past a 16-byte boundary
+    assert off.data_ptr() % 16
+    aligned = with_strides(off, off.stride(), align=True)  # cuDNN wants 16-byte aligned o and dO
+    assert aligned.data_ptr() % 16 == 0 and aligned.stride() == off.stride() and torch.equal(aligned, off)
+    assert with_strides(off, off.stride()) is off
 
 
 # --------------------------------------------------------------------------- CPU: layouts on meta tensors

@@ -138,3 +138,12 @@ def _check_ring(case, rank, world):
     o2, to2 = ring_attention_jvp(*[shard(x) for x in xs], causal=causal)
     assert_close(f"ring rank {rank} o (explicit)", o2, shard(truth[0]), shard(lowp[0]), torch.float32)
     assert_close(f"ring rank {rank} to (explicit)", to2, shard(truth[1]), shard(lowp[1]), torch.float32)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zigzag_round_trip(world):
+    """zigzag_unshard puts every rank's two chunks back where zigzag_shard took them from."""
+    from flashjvp.distributed import zigzag_shard, zigzag_unshard
+
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    assert torch.equal(zigzag_unshard([zigzag_shard(x, rank, world) for rank in range(world)]), x)

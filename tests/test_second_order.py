@@ -96,6 +96,25 @@ def test_each_output_alone(outputs):
     _check(xs, _cotangents(xs, layout, outputs), torch.float32, causal=True, layout=layout)
 
 
+def test_loss_without_to():
+    """A loss of o, lse and mu that never touches to: autograd then hands the backward no cotangent
+    for to at all (None, not zeros), and the lse and mu cotangents must still count."""
+    xs, layout = _inputs((1, 2, 2, 21, 21, 16, 16, "bhnd"), torch.float32)
+    g = torch.Generator().manual_seed(1)
+    grads = {}
+    for name, fn, dtype in (("got", flashjvp.attention_jvp, torch.float32),
+                            ("truth", flashjvp.attention_jvp_ref, torch.float64),
+                            ("lowp", flashjvp.attention_jvp_ref, torch.float32)):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in xs]
+        o, _, lse, mu = fn(*leaves, causal=True, layout=layout, return_lse=True)
+        if name == "got":
+            w = [torch.randn(t.shape, generator=g) for t in (o, lse, mu)]
+        sum((t * wt.to(dtype)).sum() for t, wt in zip((o, lse, mu), w)).backward()
+        grads[name] = [x.grad for x in leaves[:5]]  # tv: nothing used here depends on it
+    for n, got, t, lp in zip(("dq", "dk", "dv", "dtq", "dtk"), grads["got"], grads["truth"], grads["lowp"]):
+        assert_close(n, got, t, lp, torch.float32)
+
+
 def _model_grads(attention, xs, w, dtype, use_forward_ad):
     """Gradients of <o, w0> + <to, w1> after a JVP of ``attention`` (the MeanFlow pattern without
     the detach; terminal velocity matching) by torch.func.jvp or forward_ad dual tensors."""
