@@ -178,3 +178,46 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
     out = flashjvp.attention(q, k, v, layout="bnhd")
     assert_close("o", out, flashjvp.attention_ref(*(x.double() for x in (q, k, v)), layout="bnhd"),
                  flashjvp.attention_ref(q, k, v, layout="bnhd"), torch.float32)
+
+
+_CPU_OPTIONS = {
+    "kv-lens": dict(kv_lens=torch.tensor([3, 5])),
+    "window": dict(window=(1, 1), causal="bottom_right"),
+    "bool-mask": dict(attn_mask=torch.rand(2, 1, 11, 7, generator=torch.Generator().manual_seed(3)) > 0.4),
+    "float-mask": dict(attn_mask=torch.randn(7, generator=torch.Generator().manual_seed(4))),
+}
+
+
+@pytest.mark.parametrize("option", list(_CPU_OPTIONS))
+def test_cpu_fallback_passes_every_option(monkeypatch, option):
+    """The CPU fallback without TRITON_INTERPRET hands key padding, windows and masks on to the
+    reference it runs (a dropped option would give a plain attention result, no error)."""
+    import flashjvp.interface as iface
+
+    monkeypatch.setattr(iface, "interpreting", lambda: False)
+    monkeypatch.setattr(iface, "_CPU_BLOCK_Q", 4)
+    kw = _CPU_OPTIONS[option]
+    q, k, v, tq, tk, tv = make_qkv(2, 2, 1, 11, 7, 8, 8, "bhnd", torch.float32, device="cpu")
+    (o, to, lse, mu), n = _count_launches(lambda: flashjvp.attention_jvp(q, k, v, tq, tk, tv, return_lse=True, **kw))
+    assert n == 0
+    truth, lowp = jvp_refs(q, k, v, tq, tk, tv, **kw)
+    for name, got, ref, ref_lp in zip(("o", "to", "lse", "mu"), (o, to, lse, mu), truth, lowp):
+        assert_close(name, got, ref, ref_lp, torch.float32)
+    assert_close("o (forward only)", flashjvp.attention(q, k, v, **kw), truth[0], lowp[0], torch.float32)
+
+
+def test_cpu_fallback_varlen(monkeypatch):
+    """The CPU fallback of the packed functions, with a longest query (5) shorter than the longest key (9)."""
+    import flashjvp.interface as iface
+    from flashjvp.ref import attention_varlen_jvp_ref
+
+    monkeypatch.setattr(iface, "interpreting", lambda: False)
+    q, tq = torch.randn(8, 2, 8), torch.randn(8, 2, 8)
+    k, v, tk, tv = (torch.randn(12, 2, 8) for _ in range(4))
+    cu_q, cu_k = torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([0, 9, 12], dtype=torch.int32)
+    got, n = _count_launches(lambda: flashjvp.attention_varlen_jvp(q, k, v, cu_q, cu_k, 5, 9, tq, tk, tv,
+                                                                   causal=True, return_lse=True))
+    assert n == 0
+    want = attention_varlen_jvp_ref(q, k, v, cu_q, cu_k, 5, 9, tq, tk, tv, causal=True, return_lse=True)
+    for name, a, b in zip(("o", "to", "lse", "mu"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

@@ -86,6 +86,17 @@ def test_strides_a_multiple_of_4_not_8(d):
         assert_close(name, x.grad, t, lp, torch.float32)
 
 
+def test_calls_differing_only_in_scale_or_causal():
+    """Calls of the same sizes that differ in scale or causality (their checked arguments are cached
+    by size) each get their own: compared with PyTorch's SDPA, which shares nothing with flashjvp."""
+    q, k, v = make_qkv(1, 2, 2, 21, 21, 16, 16, "bhnd", torch.float32, ("contiguous",), tangents=False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for kw in (dict(scale=0.9), {}, dict(causal=True), {}, dict(scale=0.9, causal=True)):
+        want = sdpa(q.double(), k.double(), v.double(), scale=kw.get("scale"), is_causal=kw.get("causal", False))
+        torch.testing.assert_close(flashjvp.attention(q, k, v, **kw).double(), want, rtol=1e-4, atol=1e-4,
+                                   msg=str(kw))
+
+
 def test_long_self_attention_n999():
     q, k, v, tq, tk, tv = make_qkv(1, 1, 1, 999, 999, 16, 16, "bhnd", torch.float32)
     o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=True)

@@ -169,6 +169,8 @@ def _bad_args(what):
         args[3] = cu_seqlens([3, 4])
     elif what == "q-2d":
         args[0] = q[:, 0]
+    elif what == "cu-lengths-differ":
+        args[4] = cu_seqlens([8])
     return args
 
 
@@ -177,6 +179,7 @@ _BAD = [
     pytest.param("max-short", ValueError, r"^max_seqlen_q: .*5", id="max-seqlen-too-small"),
     pytest.param("last-offset", ValueError, r"^cu_seqlens_q: .*8", id="last-offset-not-total"),
     pytest.param("q-2d", ValueError, r"^q: .*3-d", id="q-2d"),
+    pytest.param("cu-lengths-differ", ValueError, r"^cu_seqlens_k: expected shape \(3,\)", id="cu-lengths-differ"),
 ]
 
 
