@@ -75,6 +75,22 @@ def test_jacfwd_small():
     torch.testing.assert_close(jac.double(), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_nested_jvp_second_derivative():
+    """A JVP of a JVP (a second directional derivative) runs the math path: the fused kernel gives
+    only first-order tangents."""
+    q, k, v, t1, _, _ = make_qkv(1, 2, 1, 6, 7, 8, 8, "bhnd", torch.float32)
+    t2 = torch.randn_like(t1)
+
+    def second(fn, q, k, v, t1, t2):
+        inner = lambda q_: torch.func.jvp(lambda x: fn(x, k, v, causal=True), (q_,), (t1,))[1]  # noqa: E731
+        return torch.func.jvp(inner, (q,), (t2,))[1]
+
+    (got, n) = _count_launches(lambda: second(flashjvp.attention, q, k, v, t1, t2))
+    assert n == 0
+    want = second(flashjvp.attention_ref, *(x.double() for x in (q, k, v, t1, t2)))
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
 def test_vmap_matches_per_example_kernel_calls():
     """Under vmap flashjvp runs its math path (no launch); each example's slice must match the
     kernel run on that slice alone (one launch per example) and the float64 reference."""
