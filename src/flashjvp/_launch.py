@@ -101,16 +101,6 @@ def out_shape(batch: int, heads: int, n: int, d: int, layout: str) -> tuple[int,
     return (batch, heads, n, d) if layout == "bhnd" else (batch, n, heads, d)
 
 
-def empty_out(batch: int, heads: int, n: int, d: int, layout: str, like: torch.Tensor) -> torch.Tensor:
-    """Attention output buffer in ``layout``, contiguous."""
-    return new_buffer(out_shape(batch, heads, n, d, layout), like.dtype, like.device)
-
-
-def lse_buffer(batch: int, heads: int, n: int, device) -> torch.Tensor:
-    """Per-row float32 statistics (lse, mu, delta): (B, H, N), contiguous."""
-    return new_buffer((batch, heads, n), torch.float32, device)
-
-
 def out_buffer(a, like: torch.Tensor) -> torch.Tensor:
     """The attention output of the call ``a`` (an ``AttnArgs``), contiguous in its layout; for
     packed sequences the (1, total_q, Hq, Dv) view of the packed output."""

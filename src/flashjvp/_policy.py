@@ -25,9 +25,8 @@ import triton
 # --------------------------------------------------------------------------- environment
 
 
-# Names already encoded for os.environ's own store, and decoded values by their stored form.
+# Names already encoded for os.environ's own store.
 _ENV_KEYS: dict = {}
-_ENV_VALUES: dict = {}
 
 
 def env(name: str, default: str) -> str:
@@ -43,14 +42,7 @@ def env(name: str, default: str) -> str:
     if key is None:
         key = _ENV_KEYS[name] = environ.encodekey(name)
     raw = data.get(key)
-    if raw is None:
-        return default
-    value = _ENV_VALUES.get(raw)
-    if value is None:
-        if len(_ENV_VALUES) > 64:  # a program cycling through many values: stay small
-            _ENV_VALUES.clear()
-        value = _ENV_VALUES[raw] = environ.decodevalue(raw)
-    return value
+    return default if raw is None else environ.decodevalue(raw)
 
 
 def interpreting() -> bool:
