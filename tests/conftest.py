@@ -40,3 +40,13 @@ def fresh_sdpa_warnings():
     warned.clear()
     yield
     warned.clear()
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Each test starts without launch plans: a plan made by an earlier test would bypass what a
+    test patches or forces (the Autotuner, a tile, the cuDNN policy)."""
+    from flashjvp import _bwd, _fwd, _plan
+
+    for module in (_fwd, _bwd, _plan):
+        module._PLANS.clear()

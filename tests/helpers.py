@@ -144,12 +144,23 @@ class Launches(LaunchLog):
         return super().__exit__(*exc)
 
 
+def forget_plans(monkeypatch) -> None:
+    """Empty every launch-plan cache for the test (plans made before would bypass what a test
+    patches: the Autotuner, a forced tile, the cuDNN policy)."""
+    from flashjvp import _bwd, _fwd, _plan
+
+    for module in (_fwd, _bwd, _plan):
+        monkeypatch.setattr(module, "_PLANS", type(module._PLANS)())
+
+
 def spy_autotuner(monkeypatch, arg: str) -> list:
-    """Forget the configs launch_tuned has picked and record ``arg`` of every call that reaches
-    the forward kernel's Autotuner (launch_tuned's first call per key); returns the record."""
+    """Forget the configs launch_tuned has picked and the launch plans, and record ``arg`` of every
+    call that reaches the forward kernel's Autotuner (launch_tuned's first call per key); returns
+    the record."""
     from flashjvp import _fwd, _launch
 
     monkeypatch.setattr(_launch, "_TUNED", {})
+    forget_plans(monkeypatch)
     kernel = _fwd._attn_fwd_kernel
     seen = []
     real_run = kernel.run

@@ -246,10 +246,9 @@ def cudnn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 # and measured. PyTorch itself accepts sm80 to sm121; widen after testing there.
 CUDNN_ARCHS = (9,)
 CUDNN_DTYPES = (torch.float16, torch.bfloat16)
-# Head dims: Dqk == Dv, a multiple of CUDNN_HEAD_DIM_STEP up to CUDNN_MAX_HEAD_DIM. PyTorch lets
-# cuDNN take any multiple of 8 (256 on sm90 with cuDNN >= 9.10); flashjvp sends the common, tested
-# sizes only (16, 32, ..., 128: not 40 or 72, which stay on Triton).
-CUDNN_HEAD_DIM_STEP = 16
+# Head dims: Dqk == Dv, a multiple of CUDNN_HEAD_DIM_STEP up to CUDNN_MAX_HEAD_DIM, as PyTorch's
+# own cuDNN SDPA check (which goes to 256 on sm90 with cuDNN >= 9.10; flashjvp sends up to 128).
+CUDNN_HEAD_DIM_STEP = 8
 CUDNN_MAX_HEAD_DIM = 128
 _MAX_BATCH_HEADS = 65535  # cuDNN SDPA's limit on batch size and head count (PyTorch's check)
 _INT32_MAX = 2**31 - 1  # PyTorch's cuDNN graph cache stores sizes and strides as int
@@ -310,7 +309,7 @@ def cudnn_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnAr
                     backward: bool = False) -> bool:
     """Whether PyTorch's cuDNN attention handles this call (conservative; host-side only, no GPU
     synchronisation): CUDA tensors on an sm90 GPU (``CUDNN_ARCHS``), float16 / bfloat16, Dqk == Dv
-    a multiple of 16 up to 128, no key padding, no window, not packed variable-length, no mask (nor
+    a multiple of 8 up to 128, no key padding, no window, not packed variable-length, no mask (nor
     any other AttnArgs option this module does not know), causal ``None`` or top-left
     (bottom-right only when Nq == Nk, where both coincide), Nk >= 2, GQA allowed; unit-stride head
     dim, 16-byte aligned pointers and strides; cuDNN >= 9 and the operators' expected schemas.
@@ -401,7 +400,7 @@ def use_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *,
     return not (_REFUSED and refusal_key(q, a, backward) in _REFUSED)
 
 
-def _refuse(q: torch.Tensor, a: AttnArgs, backward: bool, error: BaseException) -> None:
+def refuse(q: torch.Tensor, a: AttnArgs, backward: bool, error: BaseException) -> None:
     msg = " ".join(str(error).split())[:300]
     _REFUSED[refusal_key(q, a, backward)] = msg
     what = "backward" if backward else "forward"
@@ -422,7 +421,7 @@ def dispatch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs,
     except torch.cuda.OutOfMemoryError:
         return None  # not a refusal: Triton needs no workspace, retry cuDNN next time
     except RuntimeError as e:
-        _refuse(q, a, False, e)
+        refuse(q, a, False, e)
         return None
     return o, None, lse, None
 
@@ -441,5 +440,5 @@ def dispatch_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     except torch.cuda.OutOfMemoryError:
         return None
     except RuntimeError as e:
-        _refuse(q, a, True, e)
+        refuse(q, a, True, e)
         return None

@@ -34,15 +34,17 @@ from flashjvp._jit import (
     visible,
 )
 from flashjvp._launch import (
+    PlanCache,
+    aligned16,
     all_seq_strides,
     aux_tensors,
     dot_precision,
     ensure_tma_allocator,
     launch_device,
-    launch_tuned,
     mask_args,
     mask_strides,
     out_buffer,
+    plan_tuned,
     stat_buffer,
     stat_strides,
     strides_bhnd,
@@ -57,7 +59,9 @@ from flashjvp._policy import (
     prune_fwd_configs,
     split_grid,
     split_slots,
+    tail_split_enabled,
     tile_configs,
+    tma_mode,
     use_tma,
 )
 from flashjvp._split import attn_merge, split_decode, split_scratch
@@ -381,21 +385,54 @@ def _scratch_args(scratch, o, lse):
     return op, op if top is None else top, lsep, mup
 
 
+# Launch plans of the forward (_launch.Launcher) by call signature: see _plan_key.
+_PLANS = PlanCache()
+_N_TENSORS = 18  # Q ... MASK: the kernel's leading tensor arguments
+
+
+def _plan_key(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool):
+    """What fixes every non-tensor argument, the grid and the compiled variant of a forward launch
+    without tensor options (kv_lens, mask, packed batch: their tensors are read from ``a``): the
+    call's sizes and options, every input's strides, 16-byte alignment, the dtype, the device and
+    the switches the launch reads. None where no plan is kept."""
+    if a.kv_lens is not None or a.mask is not None or a.varlen is not None or not q.is_cuda \
+            or not aligned16(q, k, v, tq, tk, tv):
+        return None
+    st = lambda x: None if x is None else x.stride()  # noqa: E731
+    return (a, q.dtype, q.device.index, q.stride(), k.stride(), v.stride(), st(tq), st(tk), st(tv), store_mu,
+            torch.backends.cuda.matmul.allow_tf32, tma_mode(), tail_split_enabled())
+
+
+def _fwd_tensors(inputs, o, to, lse, mu, scratch, aux):
+    """The kernel's leading tensor arguments, Q ... MASK (stand-ins where absent, never read)."""
+    return (*inputs, o, o if to is None else to, lse, lse if mu is None else mu,
+            *_scratch_args(scratch, o, lse), *aux)
+
+
 def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
              o: torch.Tensor | None = None, lse: torch.Tensor | None = None, need_lse: bool = True):
     """Launch the fused kernel. Returns ``(o, to, lse, mu)``; ``to`` and ``mu`` are ``None``
-    without tangents (``mu`` also unless ``store_mu``). ``o``/``lse`` may be given to write into.
-    Without ``need_lse`` (no backward follows) ``lse`` may come back None."""
+    without tangents (``mu`` also unless ``store_mu``). ``o``/``lse`` may be given to write into
+    (contiguous buffers as ``out_buffer``/``stat_buffer`` make). Without ``need_lse`` (no backward
+    follows) ``lse`` may come back None."""
     if tq is None and tk is None and tv is None and o is None and lse is None \
             and (res := dispatch_fwd(q, k, v, a, need_lse=need_lse)) is not None:
         return res  # PyTorch's cuDNN attention (_cudnn.py): (o, None, lse, None)
     jvp = tq is not None or tk is not None or tv is not None
+    store_mu = jvp and store_mu
     if o is None:
         o = out_buffer(a, q)
     if lse is None:
         lse = stat_buffer(a, q.device)
     to = out_buffer(a, q) if jvp else None
-    mu = stat_buffer(a, q.device) if (jvp and store_mu) else None
+    mu = stat_buffer(a, q.device) if store_mu else None
+    key = _plan_key(q, k, v, tq, tk, tv, a, store_mu)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None:  # the same launch as before: no argument to recompute
+        with launch_device(q):
+            plan(*_fwd_tensors((q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv),
+                               o, to, lse, mu, None, (lse,) * 4))
+        return o, to, lse, mu
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = all_seq_strides((q, k, v, tq, tk, tv, o, to), a)
     masks, mask_flags = mask_args(a)
@@ -424,10 +461,9 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
         return (triton.cdiv(a.n_q, bm), a.h_q, a.batch)
 
     with launch_device(q):
-        config = launch_tuned(
-            _attn_fwd_kernel, grid,
-            *inputs, o, o if to is None else to, lse, lse if mu is None else mu,
-            *_scratch_args(scratch, o, lse), *aux_tensors(a, lse),
+        config, plan = plan_tuned(
+            _attn_fwd_kernel, grid, _N_TENSORS,
+            *_fwd_tensors(inputs, o, to, lse, mu, scratch, aux_tensors(a, lse)),
             *[s for st in strides for s in st], *stat_strides(a), *mask_strides(a),
             a.batch, a.h_q, a.groups, a.n_q, a.n_k, *masks, a.scale * LOG2E, a.scale, max(slots, 1),
             N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=k_bucket,
@@ -438,6 +474,8 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma, SPLIT=slots > 0,
             HAS_KV_LENS=a.kv_lens is not None,
         )
+    if key is not None and plan is not None and not tma and not slots:  # one launch, tensors only: kept
+        _PLANS.put(key, plan)
     if scratch:
         bm = config["BLOCK_M"]
         attn_merge(o, to, lse, mu, scratch, strides[6:], h_q=a.h_q, n_q=a.n_q, d_v=a.d_v,

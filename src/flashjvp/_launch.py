@@ -12,6 +12,12 @@ import triton
 
 from flashjvp._policy import poisoning
 
+try:  # the launcher interface of compiled kernels that Launcher calls (Triton 3.4 and later)
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _driver
+except ImportError:  # older Triton: every launch goes through the JIT
+    _knobs = _driver = None
+
 
 @dataclass(frozen=True)
 class Launch:
@@ -53,6 +59,35 @@ def record_launch(kernel: str, config: dict, **flags) -> None:
 _TUNED: dict = {}
 
 
+def _heuristic_flags(kernel, kwargs) -> tuple:
+    """``(jit_function, flags)``: the ``@triton.jit`` function under ``kernel``'s Autotuner and the
+    values its ``@triton.heuristics`` rules (if any) give for ``kwargs``."""
+    inner, flags = kernel.fn, {}
+    rules = getattr(inner, "values", None)
+    if rules is not None:
+        flags = {name: rule(kwargs) for name, rule in rules.items()}
+        inner = inner.fn
+    return inner, flags
+
+
+def _tuned_launch(kernel, grid, args, kwargs):
+    """Launch an ``@triton.autotune`` kernel through the configs cache (see :func:`launch_tuned`);
+    returns ``(config, flags, compiled, jit)``: the config it ran with, the heuristics' flags, what
+    the JIT launch returned (the compiled kernel on a GPU, None in the interpreter) and the
+    ``@triton.jit`` function."""
+    key = (kernel, args[0].dtype, *[kwargs[k] for k in kernel.keys])
+    config = _TUNED.get(key)
+    inner, flags = _heuristic_flags(kernel, kwargs)
+    if config is None:
+        compiled = kernel[grid](*args, **kwargs)
+        config = _TUNED[key] = kernel.best_config.all_kwargs()
+    else:
+        compiled = inner[grid](*args, **kwargs, **flags, **config)
+    if LaunchLog._active:
+        record_launch(kernel.base_fn.__name__, config, **kwargs)
+    return config, flags, compiled, inner
+
+
 def launch_tuned(kernel, grid, *args, **kwargs) -> dict:
     """Launch an ``@triton.autotune`` kernel; returns the config it ran with. Triton's Autotuner
     rebuilds its cache key from all of a launch's ~60 arguments on every call, which costs more
@@ -62,21 +97,68 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> dict:
     key tunes through the Autotuner, later ones launch the picked config directly. ``kernel`` is
     ``@triton.autotune`` over an optional ``@triton.heuristics`` whose rules read keyword
     arguments only."""
-    key = (kernel, args[0].dtype, *[kwargs[k] for k in kernel.keys])
-    config = _TUNED.get(key)
-    if config is None:
-        kernel[grid](*args, **kwargs)
-        config = _TUNED[key] = kernel.best_config.all_kwargs()
-    else:
-        inner, flags = kernel.fn, {}
-        rules = getattr(inner, "values", None)  # @triton.heuristics, if any: its rules, on ``kwargs``
-        if rules is not None:
-            flags = {name: rule(kwargs) for name, rule in rules.items()}
-            inner = inner.fn
-        inner[grid](*args, **kwargs, **flags, **config)
-    if LaunchLog._active:
-        record_launch(kernel.base_fn.__name__, config, **kwargs)
-    return config
+    return _tuned_launch(kernel, grid, args, kwargs)[0]
+
+
+class Launcher:
+    """A launch plan: one compiled Triton kernel with its grid, its config and every argument
+    after the leading tensors fixed. Calling it with new leading tensors (same dtypes, 16-byte
+    alignment and strides as the launch it was made from: the caller's cache key) launches the
+    same kernel through Triton's C launcher directly, skipping what a JIT launch does per call
+    with ~70 arguments (binding them, specializing each, building the cache key)."""
+
+    __slots__ = ("kernel", "grid", "tail", "name", "config", "flags")
+
+    def __init__(self, kernel, grid, tail, name, config, flags):
+        self.kernel, self.grid, self.tail = kernel, grid, tail
+        self.name, self.config, self.flags = name, config, flags
+
+    def __call__(self, *tensors) -> None:
+        k, hooks = self.kernel, _knobs.runtime
+        stream = _driver.active.get_current_stream(_driver.active.get_current_device())
+        enter = hooks.launch_enter_hook
+        meta = None if enter is None else k.launch_metadata(self.grid, stream, *tensors, *self.tail)
+        k.run(*self.grid, stream, k.function, k.packed_metadata, meta, enter, hooks.launch_exit_hook,
+              *tensors, *self.tail)
+        if LaunchLog._active:
+            record_launch(self.name, self.config, **self.flags)
+
+
+def plan_tuned(kernel, grid, n_tensors: int, *args, **kwargs) -> tuple[dict, Launcher | None]:
+    """:func:`launch_tuned`, also returning a :class:`Launcher` that repeats this launch for new
+    values of the first ``n_tensors`` arguments (None where no compiled kernel came back: the
+    interpreter, or a Triton without the launcher interface used here)."""
+    config, flags, compiled, jit = _tuned_launch(kernel, grid, args, kwargs)
+    if _knobs is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return config, None
+    names = jit.arg_names
+    values = {**dict(zip(names, args)), **kwargs, **flags, **config}
+    full = [values[n] for n in names]
+    g = tuple(grid(values) if callable(grid) else grid)
+    g = g + (1,) * (3 - len(g))
+    return config, Launcher(compiled, g, tuple(full[n_tensors:]), kernel.base_fn.__name__, config, kwargs)
+
+
+class PlanCache(dict):
+    """Launch plans by the caller's key (sizes, strides, dtypes, flags, alignment), bounded: a
+    program with very many distinct shapes starts over rather than grow without end."""
+
+    MAX = 1024
+
+    def put(self, key, plan) -> None:
+        if len(self) >= self.MAX:
+            self.clear()
+        self[key] = plan
+
+
+def aligned16(*xs) -> bool:
+    """Whether every given tensor's data pointer is 16-byte aligned (what Triton specializes
+    pointer arguments on, so a plan is valid only for the alignment it was made with)."""
+    bits = 0
+    for x in xs:
+        if x is not None:
+            bits |= x.data_ptr()
+    return bits % 16 == 0
 
 
 # FLASHJVP_POISON, read once: buffers are made on every call.

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
 from torch._C._functorch import TransformType
 
 from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._fwd import attn_fwd
 from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
+from flashjvp._plan import plain_plan
 from flashjvp._policy import interpreting
-from flashjvp._validate import AttnArgs, check_inputs, check_varlen
+from flashjvp._validate import AttnArgs, bhnd_view, check_inputs, check_varlen
 from flashjvp.ref import attention_jvp_ref, attention_ref, attention_varlen_jvp_ref, attention_varlen_ref
 
 __all__ = ["attention", "attention_jvp", "attention_varlen", "attention_varlen_jvp"]
@@ -103,11 +105,25 @@ def _attention_jvp_kernels(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
     return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True)  # mu: for the backward
 
 
+def _sdpa_expressible(q: torch.Tensor, a: AttnArgs) -> bool:
+    """Whether PyTorch's SDPA computes the call ``a`` as it is (no option it lacks, half precision
+    on the GPU, no GQA): under torch.compile such plain calls are traced as SDPA itself, so that
+    Inductor picks and fuses PyTorch's own backend and CUDA graphs capture it like SDPA."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and a.h_q == a.h_kv
+            and a.kv_lens is None and a.window is None and a.mask is None and a.varlen is None
+            and (a.causal != "bottom_right" or a.n_q == a.n_k))
+
+
 def _attention(q, k, v, a: AttnArgs) -> torch.Tensor:
     """``attention`` on validated 4-d tensors (packed batches: their (1, total, H, D) views)."""
     if not _use_kernels(q):
         return _ref(q, k, v, None, None, None, a, jvp=False)
     if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
+        if _sdpa_expressible(q, a):
+            o = F.scaled_dot_product_attention(bhnd_view(q, a.layout), bhnd_view(k, a.layout),
+                                               bhnd_view(v, a.layout), is_causal=a.causal is not None,
+                                               scale=a.scale)
+            return bhnd_view(o, a.layout)
         return attn_fwd_op(q, k, v, *options(a))[0]
     return _attention_kernels(q, k, v, a)
 
@@ -161,6 +177,11 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
     Differentiable (Triton backward) and forward-differentiable: under ``torch.func.jvp`` or
     ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
     """
+    if kv_lens is None and window is None and attn_mask is None:  # plain calls: a cached plan
+        plan = plain_plan(q, k, v, causal, scale, layout,
+                          lambda: check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False))
+        if plan is not None and (o := plan(q, k, v)) is not None:
+            return o
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
                      window=window, attn_mask=attn_mask)
     return _attention(q, k, v, a)

@@ -32,7 +32,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.overrides import TorchFunctionMode
 
-from flashjvp._validate import KERNEL_DTYPES, MAX_HEAD_DIM
+from flashjvp._plan import plain_plan
+from flashjvp._validate import KERNEL_DTYPES, MAX_HEAD_DIM, check_inputs
 from flashjvp.interface import attention
 
 __all__ = ["sdpa", "patch_sdpa", "SDPAFallbackWarning"]
@@ -260,6 +261,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     PyTorch's math backend in plain ops, correct under the same transforms; calls SDPA rejects
     raise SDPA's own error. Both fallbacks warn once per call site (:class:`SDPAFallbackWarning`).
     """
+    if attn_mask is None and type(dropout_p) in (int, float) and dropout_p == 0:  # plain calls: a cached plan
+        plan = plain_plan(query, key, value, is_causal, scale, "bhnd",
+                          lambda: _plain_args(query, key, value, is_causal, scale, enable_gqa), tag=enable_gqa)
+        if plan is not None and (out := plan(query, key, value)) is not None:
+            return out
     route = _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if route is None:
         mask = None if attn_mask is None else _mask_bhnd(attn_mask, query, key)
@@ -267,6 +273,14 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                         attn_mask=mask)
         return out.reshape(*query.shape[:-1], value.shape[-1])
     return _fallback(*route, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _plain_args(query, key, value, is_causal, scale, enable_gqa):
+    """The ``AttnArgs`` of a 4-d call without mask and dropout that the kernels serve as it is (for
+    ``_plan.plain_plan``), else None."""
+    if query.dim() != 4 or _route(query, key, value, None, 0.0, is_causal, scale, enable_gqa) is not None:
+        return None
+    return check_inputs(query, key, value, causal=is_causal, scale=scale, allow_float64=False)
 
 
 # Outside any compiled graph: it warns (reading the caller's frame) and guards against its own

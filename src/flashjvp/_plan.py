@@ -1,0 +1,120 @@
+"""The eager host path of plain calls: one dictionary lookup from a call's signature to what runs.
+
+A *plain* call is one that no tangent can reach: no forward-AD level is open (``torch.func.jvp``
+opens one too), no ``torch.func`` transform is active and Dynamo is not tracing. Such a call of
+:func:`flashjvp.attention` or :func:`flashjvp.sdpa` is served from a plan cached by its signature
+(sizes, strides, dtypes, devices, options, whether a backward can follow, 16-byte alignment and
+the switches that choose a path), made once by the checked path: a repeated call skips the
+argument checks, the routing and the launch arguments.
+
+A plan runs one of
+
+* PyTorch's cuDNN attention operator, called directly, where ``_cudnn.use_cudnn`` takes the call
+  in both directions (``auto``: where it measured faster than flashjvp's Triton kernels). PyTorch
+  records its backward natively (``ScaledDotProductCudnnAttentionBackward0``), so neither
+  direction has an ``autograd.Function`` in Python; without a backward to follow, cuDNN's
+  inference kernel runs (no log-sum-exp).
+* flashjvp's Triton forward with the call's ``AttnArgs`` already built (``_fwd.attn_fwd``, itself
+  with a launch plan), through ``AttentionFunction`` when a backward can follow.
+
+Calls with tangents, masks, key padding, windows or packed batches take the checked path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as fwAD
+
+from flashjvp import _cudnn
+from flashjvp._autograd import AttentionFunction
+from flashjvp._cudnn import contiguous_strides, cudnn_ops, matching_layout_strides, refuse, use_cudnn
+from flashjvp._fwd import attn_fwd
+from flashjvp._launch import LaunchLog, PlanCache, aligned16, out_shape, record_launch
+from flashjvp._policy import cudnn_mode, env
+from flashjvp._validate import AttnArgs, bhnd_view
+
+_peek_transform = torch._C._functorch.peek_interpreter_stack
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PLANS = PlanCache()
+_NO_PLAN = object()  # a signature the checked path must serve every time (cached refusal)
+
+
+def _switches() -> tuple:
+    """Everything besides the tensors that can change which path a plain call takes."""
+    return (cudnn_mode(), torch.backends.cuda.cudnn_sdp_enabled(), torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(), env("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", ""),
+            torch.backends.cuda.matmul.allow_tf32)
+
+
+def plain_plan(q, k, v, causal, scale, layout, make_args, tag=None):
+    """The function ``(q, k, v) -> o`` serving this plain call, or None where the caller must take
+    its checked path (not a plain call, or a signature no plan serves); the function itself
+    returns None where cuDNN refused the call (then, too, the checked path). ``make_args()``
+    validates the call on a cache miss: it returns its ``AttnArgs`` (raising the caller's errors for bad
+    arguments) or None (no plan for this signature); ``tag`` separates callers whose arguments
+    mean different things (``sdpa``'s ``enable_gqa``)."""
+    if fwAD._current_level >= 0 or _peek_transform() is not None or torch.compiler.is_compiling():
+        return None
+    if type(q) not in _PLAIN_TYPES or type(k) not in _PLAIN_TYPES or type(v) not in _PLAIN_TYPES:
+        return None
+    try:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+               q.device, k.device, v.device, causal, scale, layout, tag, grad, aligned16(q, k, v), _switches())
+        plan = _PLANS.get(key)
+    except (TypeError, RuntimeError):  # unhashable options, or tensors without strides
+        return None
+    if plan is None:
+        a = make_args()
+        plan = _NO_PLAN if a is None else _make_plan(q, k, v, a, grad)
+        _PLANS.put(key, plan)
+    return None if plan is _NO_PLAN else plan
+
+
+def _make_plan(q, k, v, a: AttnArgs, grad: bool):
+    if a.kv_lens is not None or a.window is not None or a.mask is not None or a.varlen is not None:
+        return _NO_PLAN
+    if not (q.is_cuda or q.device.type == "cpu"):
+        return _NO_PLAN
+    if q.is_cuda and cudnn_ops() is not None and use_cudnn(q, k, v, a, backward=False) \
+            and (not grad or use_cudnn(q, k, v, a, backward=True)):
+        return _cudnn_plan(q, a, grad)
+    if not q.is_cuda:  # the CPU paths (math reference, interpreter) gain nothing from a plan
+        return _NO_PLAN
+    if grad:
+        return lambda q, k, v: AttentionFunction.apply(q, k, v, a, False)[0]
+    return lambda q, k, v: attn_fwd(q, k, v, None, None, None, a, need_lse=False)[0]
+
+
+def _cudnn_plan(q, a: AttnArgs, grad: bool):
+    """``(q, k, v) -> o`` through ``aten._scaled_dot_product_cudnn_attention`` for the call ``a``
+    (None if cuDNN refuses it: the caller then takes its checked path, which from then on avoids
+    cuDNN for the shape class); PyTorch's autograd records the backward. ``o`` comes back
+    contiguous in the call's layout, as from the checked path (a copy only where cuDNN, which
+    gives ``o`` q's order of dimensions, gives another)."""
+    op = _cudnn._ops()[0]
+    causal, scale, layout = a.causal is not None, a.scale, a.layout
+    flip = layout == "bnhd"
+    o_shape = (a.batch, a.h_q, a.n_q, a.d_v)
+    o_strides = bhnd_view(torch.empty_strided(o_shape, matching_layout_strides(bhnd_view(q, layout), o_shape),
+                                              device="meta"), layout).stride()
+    copy = o_strides != contiguous_strides(out_shape(a.batch, a.h_q, a.n_q, a.d_v, layout))
+
+    def run(q, k, v):
+        if flip:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        try:
+            o = op(q, k, v, None, grad, 0.0, causal, False, scale=scale)[0]
+        except RuntimeError as e:
+            refuse(q, a, False, e)
+            _PLANS.clear()
+            return None
+        if flip:
+            o = o.transpose(1, 2)
+        if copy:
+            o = o.contiguous()
+        if LaunchLog._active:
+            record_launch("cudnn_sdpa_fwd", {}, CAUSAL=causal, LAYOUT=layout, LSE=grad)
+        return o
+
+    return run
