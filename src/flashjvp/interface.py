@@ -7,6 +7,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 
 from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._fwd import attn_fwd
@@ -84,9 +85,44 @@ def _ref(q, k, v, tq, tk, tv, a: AttnArgs, *, jvp: bool):
 # The kernel paths of ``attention`` and ``attention_jvp`` outside a graph: eager calls, and the
 # calls a compiled graph leaves to them (forward-mode AD, see _ops.py). Opaque to Dynamo, so that
 # a frame it falls back on never has the launchers' Python traced.
+def _single_jvp_level(stack: list) -> int | None:
+    """The level of the one ``torch.func.jvp`` transform when it is the only transform active."""
+    if len(stack) == 1 and stack[0].key() == TransformType.Jvp:
+        return stack[0].level()
+    return None
+
+
+def _attention_at_jvp_level(q, k, v, a: AttnArgs, level: int) -> torch.Tensor:
+    """``attention`` inside one ``torch.func.jvp`` (and no other transform): its inputs' primals and
+    tangents unwrapped from the transform's level, the fused kernel run on the plain tensors
+    outside it (with reverse-mode autograd recorded where the plain tensors need it: the MeanFlow
+    and sCM steps differentiate ``o`` and ``to``), and ``o`` wrapped back with ``to`` as its
+    tangent. This is what functorch does for any ``autograd.Function`` with a ``jvp`` rule, less
+    its generic machinery (a new Function class per call, pytree flattening, signature binding),
+    which costs several times a short launch."""
+    unwrap = torch._C._functorch._unwrap_for_grad
+    parts = [fwAD.unpack_dual(x) for x in (q, k, v)]
+    q0, k0, v0 = (unwrap(p, level) for p, _ in parts)
+    tq, tk, tv = (None if t is None else unwrap(t, level) for _, t in parts)
+    with temporarily_pop_interpreter_stack():
+        grad = _needs_grad(q0, k0, v0, tq, tk, tv)
+        if tq is None and tk is None and tv is None:
+            o = (AttentionFunction.apply(q0, k0, v0, a, False) if grad else
+                 attn_fwd(q0, k0, v0, None, None, None, a, need_lse=False))[0]
+            return torch._C._functorch._wrap_for_grad(o, level)
+        if grad:
+            o, to, _, _ = AttentionJVPFunction.apply(q0, k0, v0, tq, tk, tv, a, True)
+        else:
+            o, to, _, _ = attn_fwd(q0, k0, v0, tq, tk, tv, a)
+    wrap = torch._C._functorch._wrap_for_grad
+    return fwAD.make_dual(wrap(o, level), wrap(to, level))
+
+
 @torch.compiler.disable
 def _attention_kernels(q, k, v, a: AttnArgs) -> torch.Tensor:
     stack = _transforms()
+    if (level := _single_jvp_level(stack)) is not None:
+        return _attention_at_jvp_level(q, k, v, a, level)
     if _needs_math_path(stack):
         return _ref(q, k, v, None, None, None, a, jvp=False)
     if _plain(stack, q, k, v):  # no backward can follow: the lse is not needed
