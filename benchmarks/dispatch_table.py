@@ -57,11 +57,12 @@ def measure(shape, provider: str, quick: bool) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dims", type=int, nargs="+", default=None, help="only these head dims")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     gpu = torch.cuda.get_device_name()
     rows = []
-    for shape in SHAPES:
+    for shape in [s for s in SHAPES if args.dims is None or s[4] in args.dims]:
         row = {"shape": list(shape)}
         for provider in PROVIDERS:
             try:

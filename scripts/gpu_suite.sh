@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test suite and the benchmark suite in one call, from the repository root of a GPU machine:
 #
-#   bash scripts/gpu_suite.sh [STEPS]      STEPS: a comma-separated list of tests, bench, masks
-#                                          (default tests,bench)
+#   bash scripts/gpu_suite.sh [STEPS]      STEPS: a comma-separated list of tests, bench, masks,
+#                                          host, dispatch, models (default tests,bench)
 #
 # Environment: OUT (where logs and results go, default /tmp/flashjvp-gpu), TESTS (test files or
 # node ids, default tests), TEST_LIMIT (seconds for the tests, default 300; pytest is then
@@ -11,6 +11,8 @@
 # MASKS_LIMIT (the masks benchmark's --time-limit, default 240), MASKS_ARGS (more options for
 # python -m flashjvp.bench_masks, e.g. --cases 1,3); FLASHJVP_AUTOTUNE is passed through.
 # The benchmark adds the reference kernel when benchmarks/third_party/reference_jvp.py exists.
+# HOST_ARGS, DISPATCH_ARGS and MODELS_ARGS add options to benchmarks/host_time.py, dispatch_table.py
+# and models.py (MODELS_LIMIT: its --time-limit, default 240).
 # Writes $OUT/gpu.txt, $OUT/tests.log, $OUT/bench.log, $OUT/bench/bench.{json,md,png}, and for the
 # masks step $OUT/masks.log and $OUT/masks/masks.{json,md}.
 set -uo pipefail
@@ -61,4 +63,22 @@ if has masks; then
     --out "$OUT/masks" >"$OUT/masks.log" 2>&1
   echo "masks: exit status $?"
   grep -E "^\[|time limit|wrote" "$OUT/masks.log" | tail -70
+fi
+
+# (e) host time per eager call, the plain-path dispatch table, the model-level benchmark
+if has host; then
+  # shellcheck disable=SC2086
+  FLASHJVP_POISON=0 python3 benchmarks/host_time.py --out "$OUT" ${HOST_ARGS:-} 2>&1 | tail -12
+fi
+if has dispatch; then
+  # shellcheck disable=SC2086
+  FLASHJVP_POISON=0 python3 benchmarks/dispatch_table.py --quick --out "$OUT" ${DISPATCH_ARGS:-} >"$OUT/dispatch.log" 2>&1
+  echo "dispatch: exit status $?"
+fi
+if has models; then
+  # shellcheck disable=SC2086
+  FLASHJVP_POISON=0 python3 -m benchmarks.models --time-limit "${MODELS_LIMIT:-240}" --out "$OUT" ${MODELS_ARGS:-} \
+    >"$OUT/models.log" 2>&1
+  echo "models: exit status $?"
+  grep -E "^\|" "$OUT/models.log" | tail -40
 fi

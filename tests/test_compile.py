@@ -44,6 +44,14 @@ def _compile(fn, fullgraph=False):
     return torch.compile(fn, backend=BACKEND, fullgraph=fullgraph)
 
 
+def _sdpa_traced(case, dtype) -> bool:
+    """Whether a compiled plain call of ``case`` is traced as PyTorch's SDPA (no flashjvp launch):
+    half precision on the GPU, no GQA, no bottom-right mask with Nq != Nk."""
+    b, hq, hkv, nq, nk, dqk, dv, layout, causal = case
+    return (ON_GPU and dtype in (torch.float16, torch.bfloat16) and hq == hkv
+            and not (causal == "bottom_right" and nq != nk))
+
+
 def _check_jvp(o, to, xs, kw, dtype):
     truth, lowp = jvp_refs(*xs, **kw)
     assert_close("o", o, truth[0], lowp[0], dtype)
@@ -57,7 +65,7 @@ def test_compiled_forward_fullgraph(case, dtype):
     f = _compile(lambda q, k, v: flashjvp.attention(q, k, v, **kw), fullgraph=True)
     with LaunchLog() as log:
         o = f(*xs[:3])
-    assert log.count("_attn_fwd_kernel") == 1
+    assert log.count("_attn_fwd_kernel") == (0 if _sdpa_traced(case, dtype) else 1)
     truth, lowp = jvp_refs(*xs, **kw)
     assert_close("o", o, truth[0], lowp[0], dtype)
 
@@ -71,7 +79,8 @@ def test_compiled_training_step_fullgraph(case, dtype):
     f = _compile(lambda q, k, v: (flashjvp.attention(q, k, v, **kw) * do).sum(), fullgraph=True)
     with LaunchLog() as log:
         f(*leaves).backward()
-    assert log.count("_attn_fwd_kernel") == 1 and log.count("_attn_bwd_dq_kernel") == 1
+    n = 0 if _sdpa_traced(case, dtype) else 1
+    assert log.count("_attn_fwd_kernel") == n and log.count("_attn_bwd_dq_kernel") == n
     truth, lowp = grad_refs(*xs[:3], do, **kw)
     for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth, lowp):
         assert_close(name, x.grad, t, lp, dtype)

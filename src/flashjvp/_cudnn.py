@@ -355,12 +355,12 @@ class Faster:
                 and a.causal in self.causal and (self.gqa or a.h_q == a.h_kv))
 
 
-# Where cuDNN measured faster on the H200 (bf16, benchmarks/results/nvidia-h200/dispatch.md: forward
-# 1.20-1.40x and backward 1.26-1.48x faster than flashjvp's Triton kernels at B4 H32 N4096 D64,
-# B2 H24 N4096 D128, B1 H12 N32768 D128 and B2 Hq32/Hkv8 N8192 D128 causal). Shorter sequences were
-# not measured, so they stay on Triton. Re-measure with
-# `python -m flashjvp.bench --modes fwd bwd scm --providers flashjvp-triton flashjvp-cudnn torch-cudnn`.
-CUDNN_FASTER: tuple[Faster, ...] = (Faster(),)
+# Where cuDNN measured faster than flashjvp's Triton kernels (bf16; benchmarks/results/*/dispatch_table.md
+# and dispatch.md): the forward at every length and head dim measured (256 to 32768 tokens, D 64,
+# 72, 128, causal or not, cross attention), the backward everywhere but one case within 10%
+# (N1024 D64 causal). PyTorch's own SDPA picks cuDNN on these GPUs too. Re-measure with
+# `python benchmarks/dispatch_table.py`.
+CUDNN_FASTER: tuple[Faster, ...] = (Faster(head_dims=tuple(range(8, CUDNN_MAX_HEAD_DIM + 1, 8)), min_n_q=1, min_n_k=2),)
 
 
 def listed_faster(dtype: torch.dtype, a: AttnArgs, *, backward: bool) -> bool:

@@ -53,8 +53,8 @@ def plain_plan(q, k, v, causal, scale, layout, make_args, tag=None):
     validates the call on a cache miss: it returns its ``AttnArgs`` (raising the caller's errors for bad
     arguments) or None (no plan for this signature); ``tag`` separates callers whose arguments
     mean different things (``sdpa``'s ``enable_gqa``)."""
-    if fwAD._current_level >= 0 or _peek_transform() is not None or torch.compiler.is_compiling():
-        return None
+    if torch.compiler.is_compiling() or fwAD._current_level >= 0 or _peek_transform() is not None:
+        return None  # (is_compiling first: Dynamo cannot trace the functorch query)
     if type(q) not in _PLAIN_TYPES or type(k) not in _PLAIN_TYPES or type(v) not in _PLAIN_TYPES:
         return None
     try:
