@@ -307,7 +307,9 @@ class _SDPAMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _torch_sdpa and not _inside_sdpa.get():
+        # Dynamo cannot read a ContextVar (a graph break at every call); in a graph the guard is not
+        # needed: the fallbacks, which set it, run outside any graph (torch.compiler.disable).
+        if func is _torch_sdpa and (torch.compiler.is_compiling() or not _inside_sdpa.get()):
             return sdpa(*args, **kwargs)
         if _is_python_functional(func):
             if _redispatch is not None:
