@@ -544,3 +544,70 @@ def test_distributed(world):
                 for res in [next((r[cid] for r in per_rank if r.get(cid)), None)] if res]
     assert len(per_rank[0]) == len({case_id(c) for c in _DIST})
     assert not failures, f"{len(failures)} of {len(_DIST)} distributed cases failed:\n" + "\n".join(failures)
+
+
+# --------------------------------------------------------------------------- refusals found by the audit
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone (for checks that raise before any exchange)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'rendezvous')}", rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+_X = _randn(1, 2, 8, 8)  # bhnd
+_REFUSALS = [
+    pytest.param(lambda: fd.ring_attention(_X, _X[:, :, :6], _X[:, :, :6], causal=True), ValueError,
+                 r"^causal: causal ring attention needs Nq == Nk", id="ring-causal-cross"),
+    pytest.param(lambda: fd.ring_attention(_X, _X, _X, causal="yes"), ValueError, r"^causal: expected",
+                 id="ring-causal-string"),
+    pytest.param(lambda: fd.ring_attention_jvp(_X, _X, _X, scale=True), TypeError, r"^scale: expected",
+                 id="ring-scale-bool"),
+    pytest.param(lambda: fd.ring_attention(_X, _X, _X, scale=0.0), ValueError, r"^scale: expected",
+                 id="ring-scale-zero"),
+    pytest.param(lambda: fd.ring_attention_jvp(_X.clone().requires_grad_(), _X, _X), ValueError,
+                 r"^q: ring_attention_jvp's outputs are not differentiable", id="ring-jvp-requires-grad"),
+    pytest.param(lambda: fd.ulysses_attention("q", _X, _X), TypeError, r"^q: expected a torch.Tensor",
+                 id="ulysses-q-not-a-tensor"),
+    pytest.param(lambda: fd.ulysses_attention_jvp(_X, _X, _X, tq=1.0), TypeError, r"^tq: expected a torch.Tensor",
+                 id="ulysses-tq-not-a-tensor"),
+    pytest.param(lambda: fd.ulysses_attention(_X, _X, _X, layout="nhd"), ValueError, r"^layout: expected",
+                 id="ulysses-layout"),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "msg"), _REFUSALS)
+def test_distributed_refusals(one_rank_group, call, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call()
+
+
+@pytest.mark.parametrize(("call", "exc", "msg"), [
+    pytest.param(lambda: fd.zigzag_shard(torch.zeros(1, 2, 10, 4), 0, 2), ValueError,
+                 r"^x: expected a length divisible by 2 \* world = 4 along dim 2", id="zigzag-uneven"),
+    pytest.param(lambda: fd.zigzag_shard(torch.zeros(1, 2, 8, 4), 0, 2, dim=1.0), TypeError, r"^dim: expected",
+                 id="zigzag-dim-float"),
+    pytest.param(lambda: flashjvp.attention(_X, _X, _X, align="bottom"), ValueError, r"^align: expected None, ",
+                 id="align-unknown"),
+    pytest.param(lambda: flashjvp.attention_varlen(_X[0], _X[0], _X[0], cu_seqlens([2]), cu_seqlens([2]), 2, 2,
+                                                   causal="top_left", align="bottom_right"),
+                 ValueError, r"^align: expected None or 'top_left'", id="varlen-align-conflict"),
+])
+def test_refusals(call, exc, msg):
+    with pytest.raises(exc, match=msg):
+        call()
+
+
+def test_zigzag_shard_follows_the_layout():
+    """zigzag_shard cuts the sequence dim of its layout: dim 2 for the default "bhnd", 1 for "bnhd"."""
+    x = torch.arange(2 * 3 * 8).reshape(1, 2, 8, 3)
+    assert torch.equal(fd.zigzag_shard(x, 0, 2), torch.cat((x[:, :, 0:2], x[:, :, 6:8]), dim=2))
+    assert torch.equal(fd.zigzag_shard(x.transpose(1, 2), 0, 2, layout="bnhd"),
+                       fd.zigzag_shard(x, 0, 2).transpose(1, 2))
+    shards = [fd.zigzag_shard(x, r, 2) for r in range(2)]
+    assert torch.equal(fd.zigzag_unshard(shards), x)
