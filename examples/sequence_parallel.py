@@ -41,11 +41,11 @@ def main():
 
     for name, fn, shard in (
         ("ulysses", ulysses_attention, lambda x: x[:, rank * n:(rank + 1) * n]),
-        ("ring", ring_attention, (lambda x: zigzag_shard(x, rank, world)) if args.causal
+        ("ring", ring_attention, (lambda x: zigzag_shard(x, rank, world, layout="bnhd")) if args.causal
          else (lambda x: x[:, rank * n:(rank + 1) * n])),
     ):
         q, k, v = (shard(x).requires_grad_() for x in full[:3])
-        o, to = torch.func.jvp(lambda *a, fn=fn: fn(*a, causal=args.causal), (q, k, v),
+        o, to = torch.func.jvp(lambda *a, fn=fn: fn(*a, causal=args.causal, layout="bnhd"), (q, k, v),
                                tuple(shard(t) for t in full[3:]))
         o.sum().backward()  # gradients of every rank's q, k, v shard
         with torch.no_grad():

@@ -13,6 +13,33 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Time budgets of test files, in seconds of test time (setup, call and teardown of every test of the
+# file, summed over the xdist workers): a file over its budget fails the session, so that CI stays
+# within its time. Measured on two shared CPU cores: test_api_matrix.py about 150 s.
+TIME_BUDGETS_S = {"tests/test_api_matrix.py": 300}
+
+
+class _TimeBudgets:
+    def __init__(self):
+        self.spent = {}
+
+    def pytest_runtest_logreport(self, report):
+        path = report.nodeid.split("::")[0]
+        if path in TIME_BUDGETS_S:
+            self.spent[path] = self.spent.get(path, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session):
+        over = {p: t for p, t in self.spent.items() if t > TIME_BUDGETS_S[p]}
+        if over and not hasattr(session.config, "workerinput"):  # the controller sees every worker's reports
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            for p, t in over.items():
+                reporter.write_line(f"time budget: {p} took {t:.0f} s of test time, over its {TIME_BUDGETS_S[p]} s")
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_TimeBudgets(), "flashjvp-time-budgets")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

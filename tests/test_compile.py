@@ -275,10 +275,12 @@ def test_compiled_masks_windows_and_packed_batches():
     cu_q = torch.tensor([0, 7, 19], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 15, 23], dtype=torch.int32, device=DEVICE)
     packed = [x[0] for x in (q, k, v)]
-    g = _compile(lambda q, k, v: flashjvp.attention_varlen(q, k, v, cu_q, cu_k, 12, 15, causal=True), fullgraph=True)
+    # a window without causal masking: its bottom-right alignment (the packed API's) travels too
+    pw = dict(window=(3, 1))
+    g = _compile(lambda q, k, v: flashjvp.attention_varlen(q, k, v, cu_q, cu_k, 12, 15, **pw), fullgraph=True)
     with LaunchLog() as log:
         o = g(*packed)
     assert log.count("_attn_fwd_kernel", VARLEN=True) == 1
-    ref = flashjvp.attention_varlen_ref(*[x.double() for x in packed], cu_q, cu_k, 12, 15, causal=True)
-    lowp = flashjvp.attention_varlen_ref(*packed, cu_q, cu_k, 12, 15, causal=True)
+    ref = flashjvp.attention_varlen_ref(*[x.double() for x in packed], cu_q, cu_k, 12, 15, **pw)
+    lowp = flashjvp.attention_varlen_ref(*packed, cu_q, cu_k, 12, 15, **pw)
     assert_close("o (packed)", o, ref, lowp, torch.float32)

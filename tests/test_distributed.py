@@ -54,7 +54,7 @@ def _check_case(case, rank, world):
 
     def ulysses(prim, tans):
         shards = [_shard(x, rank, world) for x in prim]
-        return torch.func.jvp(lambda *a: ulysses_attention(*a, causal=causal), tuple(shards),
+        return torch.func.jvp(lambda *a: ulysses_attention(*a, causal=causal, layout="bnhd"), tuple(shards),
                               tuple(_shard(t, rank, world) for t in tans))
 
     leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
@@ -68,7 +68,7 @@ def _check_case(case, rank, world):
         grad = x.grad.clone()
         dist.all_reduce(grad)
         assert_close(f"rank {rank} {name}", grad, t, lp, torch.float32)
-    o2, to2 = ulysses_attention_jvp(*[_shard(x, rank, world) for x in xs], causal=causal)
+    o2, to2 = ulysses_attention_jvp(*[_shard(x, rank, world) for x in xs], causal=causal, layout="bnhd")
     assert_close(f"rank {rank} o (explicit)", o2, _shard(truth[0], rank, world), _shard(lowp[0], rank, world),
                  torch.float32)
     assert_close(f"rank {rank} to (explicit)", to2, _shard(truth[1], rank, world), _shard(lowp[1], rank, world),
@@ -84,9 +84,9 @@ def _worker(rank, world, path):
         _check_ring(GQA_CASE, rank, world)
         q = torch.randn(1, 4 + rank, 4, 16)  # shards of different lengths
         with pytest.raises(ValueError, match="same length"):
-            ulysses_attention(q, q, q)
+            ulysses_attention(q, q, q, layout="bnhd")
         with pytest.raises(ValueError, match="divisible by the group size"):
-            ulysses_attention(*(torch.randn(1, 4, 3, 16),) * 3)
+            ulysses_attention(*(torch.randn(1, 4, 3, 16),) * 3, layout="bnhd")
     finally:
         dist.destroy_process_group()
 
@@ -111,7 +111,7 @@ def _check_ring(case, rank, world):
     from flashjvp.distributed import ring_attention, ring_attention_jvp, zigzag_shard
 
     causal = case[5]
-    shard = (lambda x: zigzag_shard(x, rank, world)) if causal else (lambda x: _shard(x, rank, world))
+    shard = (lambda x: zigzag_shard(x, rank, world, layout="bnhd")) if causal else (lambda x: _shard(x, rank, world))
     xs = _full(case, seed=sum(case[:5]) + 1)
     kw = dict(causal=causal, layout="bnhd")
 
@@ -121,8 +121,8 @@ def _check_ring(case, rank, world):
     truth, lowp = _refs(reference, xs, torch.float64), _refs(reference, xs, torch.float32)
     leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
     with LaunchLog() as log:
-        o, to = torch.func.jvp(lambda *a: ring_attention(*a, causal=causal), tuple(shard(x) for x in leaves),
-                               tuple(shard(t) for t in xs[3:]))
+        o, to = torch.func.jvp(lambda *a: ring_attention(*a, causal=causal, layout="bnhd"),
+                               tuple(shard(x) for x in leaves), tuple(shard(t) for t in xs[3:]))
     assert log.count("_attn_fwd_kernel", HAS_TQ=True) == len(log.launches), "fused forward+JVP per shard"
     (o * shard(truth[3].float())).sum().backward()
     for name, got, t, lp in (("o", o, truth[0], lowp[0]), ("to", to, truth[1], lowp[1])):
@@ -131,11 +131,11 @@ def _check_ring(case, rank, world):
         grad = x.grad.clone()
         dist.all_reduce(grad)
         assert_close(f"ring rank {rank} {name}", grad, t, lp, torch.float32)
-    o, to = torch.func.jvp(lambda *a: ring_attention(*a, causal=causal), tuple(shard(x) for x in leaves),
+    o, to = torch.func.jvp(lambda *a: ring_attention(*a, causal=causal, layout="bnhd"), tuple(shard(x) for x in leaves),
                            tuple(shard(t) for t in xs[3:]))
     with pytest.raises(NotImplementedError, match="gradients through the tangent"):
         to.sum().backward()
-    o2, to2 = ring_attention_jvp(*[shard(x) for x in xs], causal=causal)
+    o2, to2 = ring_attention_jvp(*[shard(x) for x in xs], causal=causal, layout="bnhd")
     assert_close(f"ring rank {rank} o (explicit)", o2, shard(truth[0]), shard(lowp[0]), torch.float32)
     assert_close(f"ring rank {rank} to (explicit)", to2, shard(truth[1]), shard(lowp[1]), torch.float32)
 
@@ -146,4 +146,4 @@ def test_zigzag_round_trip(world):
     from flashjvp.distributed import zigzag_shard, zigzag_unshard
 
     x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
-    assert torch.equal(zigzag_unshard([zigzag_shard(x, rank, world) for rank in range(world)]), x)
+    assert torch.equal(zigzag_unshard([zigzag_shard(x, rank, world, dim=1) for rank in range(world)], dim=1), x)

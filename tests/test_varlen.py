@@ -194,9 +194,11 @@ def test_bad_arguments(what, exc, msg):
 
 # ---- the reference against per-sequence attention_ref ----
 
-@pytest.mark.parametrize("causal", list(CAUSAL), ids=list(CAUSAL.values()))
+@pytest.mark.parametrize("causal", [*CAUSAL, "top_left"], ids=[*CAUSAL.values(), "named-top-left"])
 @pytest.mark.parametrize("window", [None, (3, 0), (2, 5), (-1, 1)], ids=str)
 def test_reference_is_per_sequence_reference(window, causal):
+    """Each sequence as attention_jvp_ref on its own, aligned bottom-right (flash-attn's convention)
+    unless causal names top-left."""
     lens_q, lens_k = [4, 0, 7, 1, 3], [6, 2, 7, 0, 1]
     (q, k, v, tq, tk, tv), (cu_q, cu_k, mq, mk), _ = _inputs((lens_q, lens_k, 4, 2, 8, 6, window), torch.float64)
     kw = dict(causal=causal, window=window)
@@ -215,7 +217,8 @@ def test_reference_is_per_sequence_reference(window, causal):
                                                      torch.zeros_like(mu[:, rq]))
         else:
             seq = [x[None, r] for x, r in zip((q, k, v, tq, tk, tv), (rq, rk, rk) * 2)]
-            want = [w[0] for w in attention_jvp_ref(*seq, layout="bnhd", return_lse=True, **kw)]
+            align = None if isinstance(causal, str) else "bottom_right"
+            want = [w[0] for w in attention_jvp_ref(*seq, layout="bnhd", return_lse=True, align=align, **kw)]
         for name, got, w in zip(("o", "to", "lse", "mu"), (o[rq], to[rq], lse[:, rq], mu[:, rq]), want):
             torch.testing.assert_close(got, w, rtol=0, atol=0, msg=f"sequence {b}, {name}")
 

@@ -1,6 +1,7 @@
 """Sliding-window attention (``window=(left, right)``): query ``i`` sees key ``j`` iff
 ``i + off - left <= j <= i + off + right`` (``-1``: that side unbounded; causal attention is a right
-bound of 0; ``off = Nk - Nq`` for ``causal="bottom_right"``, else 0), together with key padding. The
+bound of 0; ``off = Nk - Nq`` for bottom-right alignment, ``causal="bottom_right"`` or
+``align="bottom_right"``, else 0), together with key padding. The
 forward, the fused tangent, the backward and the second-order backward are checked against the float64
 reference; the reference itself is checked against a dense mask built element by element."""
 
@@ -20,18 +21,19 @@ from helpers import (
     make_qkv,
 )
 
-# id: ((B, Hq, Hkv, Nq, Nk, Dqk, Dv, layout), window, causal, kv_lens)
+# id: ((B, Hq, Hkv, Nq, Nk, Dqk, Dv, layout), window, causal, kv_lens[, align]): a window with Nq != Nk
+# names its alignment (causal="bottom_right" or align)
 _CASES = {
     "left3-self": ((2, 2, 2, 37, 37, 32, 32, "bhnd"), (3, 0), False, None),
-    "right5-xattn-d40-bnhd": ((1, 2, 2, 37, 45, 40, 40, "bnhd"), (0, 5), False, None),
+    "right5-xattn-d40-bnhd": ((1, 2, 2, 37, 45, 40, 40, "bnhd"), (0, 5), False, None, "bottom_right"),
     "7x7-causal-gqa-d32x24": ((1, 4, 2, 45, 45, 32, 24, "bhnd"), (7, 7), True, None),
     "left16-bottom-right-mqa": ((1, 2, 1, 37, 45, 40, 40, "bnhd"), (16, -1), "bottom_right", None),
-    "right4-kvlens": ((2, 2, 2, 37, 45, 16, 16, "bhnd"), (-1, 4), False, [20, 45]),
-    "diagonal-nq-gt-nk": ((1, 2, 2, 45, 37, 16, 16, "bnhd"), (0, 0), False, None),
+    "right4-kvlens": ((2, 2, 2, 37, 45, 16, 16, "bhnd"), (-1, 4), False, [20, 45], "bottom_right"),
+    "diagonal-nq-gt-nk": ((1, 2, 2, 45, 37, 16, 16, "bnhd"), (0, 0), False, None, "top_left"),
     "wider-than-seq-bottom-right-kvlens": ((2, 2, 1, 37, 45, 32, 32, "bhnd"), (1000, 1000), "bottom_right", [0, 30]),
     "one-query-bottom-right": ((2, 2, 1, 1, 45, 40, 24, "bnhd"), (4, 2), "bottom_right", None),
-    "one-key-causal": ((1, 2, 2, 37, 1, 16, 16, "bhnd"), (2, 0), True, None),
-    "left5-causal-nq-gt-nk-kvlens": ((1, 2, 2, 45, 37, 24, 24, "bnhd"), (5, -1), True, [30]),
+    "one-key-causal": ((1, 2, 2, 37, 1, 16, 16, "bhnd"), (2, 0), True, None, "top_left"),
+    "left5-causal-nq-gt-nk-kvlens": ((1, 2, 2, 45, 37, 24, 24, "bnhd"), (5, -1), True, [30], "bottom_right"),
     # Bounds one past a block edge (the interpreter's blocks are 16 wide): an off-by-one in the block
     # ranges (which blocks a row or key visits) shows only at such offsets.
     "1x1-self": ((1, 2, 2, 37, 37, 16, 16, "bhnd"), (1, 1), False, None),
@@ -41,8 +43,8 @@ _CASES = {
 if ON_GPU:
     _CASES |= {
         # one past the GPU tiles' 64- and 128-wide edges on both sides
-        "65x129-gqa-d64": ((1, 4, 2, 1000, 1100, 64, 64, "bhnd"), (65, 129), False, None),
-        "left256-causal-gqa-1024-d128": ((2, 8, 2, 1000, 1024, 128, 128, "bnhd"), (256, 0), True, None),
+        "65x129-gqa-d64": ((1, 4, 2, 1000, 1100, 64, 64, "bhnd"), (65, 129), False, None, "bottom_right"),
+        "left256-causal-gqa-1024-d128": ((2, 8, 2, 1000, 1024, 128, 128, "bnhd"), (256, 0), True, None, "top_left"),
         "128x128-2048-d128": ((1, 4, 4, 2048, 2048, 128, 128, "bhnd"), (128, 128), False, None),
         "left256-bottom-right-kvlens-d128": ((2, 4, 4, 1537, 2048, 128, 64, "bhnd"), (256, 0), "bottom_right",
                                              [1800, 2048]),
@@ -61,10 +63,10 @@ def _params(ids=None):
 
 
 def _inputs(case, dtype):
-    (b, hq, hkv, nq, nk, dqk, dv, layout), window, causal, lens = case
+    (b, hq, hkv, nq, nk, dqk, dv, layout), window, causal, lens, *align = case
     xs = make_qkv(b, hq, hkv, nq, nk, dqk, dv, layout, dtype)
     kv_lens = None if lens is None else torch.tensor(lens, device=DEVICE)
-    return xs, dict(layout=layout, causal=causal, window=window, kv_lens=kv_lens)
+    return xs, dict(layout=layout, causal=causal, window=window, kv_lens=kv_lens, align=(align or [None])[0])
 
 
 # ---- the kernels against the reference ----
@@ -104,7 +106,7 @@ def test_backward(case, dtype):
 ])
 def test_second_order(window, causal, lens):
     xs = make_qkv(2, 2, 1, 21, 30, 16, 16, "bhnd", torch.float32)
-    kw = dict(causal=causal, window=window, kv_lens=torch.tensor(lens, device=DEVICE))
+    kw = dict(causal=causal, window=window, kv_lens=torch.tensor(lens, device=DEVICE), align="bottom_right")
     check_second_order(xs, **kw)
 
 
@@ -147,13 +149,13 @@ def test_bad_window(window, exc):
 
 # ---- the reference against a dense mask built element by element ----
 
-def _dense_mask(nq, nk, window, causal, kv_len):
+def _dense_mask(nq, nk, window, causal, kv_len, align=None):
     """The visibility rule, written out: query i sees key j iff j < kv_len, j <= i + off + right
     (right >= 0; causal: right = 0) and j >= i + off - left (left >= 0)."""
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0
-    off = nk - nq if causal == "bottom_right" else 0
+    off = nk - nq if "bottom_right" in (causal, align) else 0
     mask = torch.zeros(nq, nk, dtype=torch.bool)
     for i in range(nq):
         for j in range(nk):
@@ -174,20 +176,23 @@ _REF_WINDOWS = [None, (3, 0), (0, 5), (7, 7), (16, -1), (-1, 4), (0, 0), (100, 1
 
 
 @pytest.mark.parametrize("window", _REF_WINDOWS, ids=str)
-@pytest.mark.parametrize("causal", [False, True, "bottom_right"], ids=["full", "top-left", "bottom-right"])
+@pytest.mark.parametrize(("causal", "align"), [
+    (False, "top_left"), (False, "bottom_right"), (True, "top_left"), (True, "bottom_right"), ("bottom_right", None),
+], ids=["full-top-left", "full-bottom-right", "top-left", "causal-align-bottom-right", "bottom-right"])
 @pytest.mark.parametrize(("nq", "nk"), [(13, 21), (21, 13), (1, 9)], ids=["nq<nk", "nq>nk", "one-query"])
-def test_reference_matches_dense_mask(nq, nk, causal, window):
+def test_reference_matches_dense_mask(nq, nk, causal, align, window):
     b, h, d = 2, 2, 8
     q, k, v = (torch.randn(b, h, n, d, dtype=torch.float64) for n in (nq, nk, nk))
     lens = [nk, max(1, nk - 4)]
-    mask = torch.stack([_dense_mask(nq, nk, window, causal, n) for n in lens])
+    mask = torch.stack([_dense_mask(nq, nk, window, causal, n, align) for n in lens])
     o_want, lse_want = _dense_attention(q, k, v, mask, d ** -0.5)
     o, lse = flashjvp.attention_ref(q, k, v, causal=causal, window=window, return_lse=True,
-                                    kv_lens=torch.tensor(lens))
+                                    kv_lens=torch.tensor(lens), align=align)
     torch.testing.assert_close(o, o_want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse.double(), lse_want.float().double(), rtol=1e-6, atol=1e-6)
     assert torch.equal(torch.isneginf(lse), ~mask.any(-1)[:, None].expand_as(lse))
-    chunked = flashjvp.attention_ref(q, k, v, causal=causal, window=window, block_q=4, kv_lens=torch.tensor(lens))
+    chunked = flashjvp.attention_ref(q, k, v, causal=causal, window=window, block_q=4, kv_lens=torch.tensor(lens),
+                                     align=align)
     torch.testing.assert_close(chunked, o, rtol=0, atol=1e-12)
 
 

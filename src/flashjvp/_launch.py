@@ -241,7 +241,7 @@ def mask_args(a) -> tuple[tuple[int, int, int], dict]:
     flags = dict(RIGHT=right >= 0, LEFT=left >= 0, VARLEN=a.varlen is not None, HAS_MASK=m is not None,
                  MASK_BOOL=m is not None and m.dtype == torch.bool,
                  MASK_ROWS=m is not None and m.stride(2) != 0)
-    return (int(a.causal == "bottom_right"), max(right, 0), max(left, 0)), flags
+    return (int(a.diagonal == "bottom_right"), max(right, 0), max(left, 0)), flags
 
 
 def aux_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

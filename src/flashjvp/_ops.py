@@ -36,20 +36,26 @@ from flashjvp._validate import AttnArgs, check_inputs, varlen_args
 
 
 # Every operator ends with the call's options, ``options(a)``: causal, scale, layout, kv_lens,
-# window ([] or [left, right]), for packed sequences cu_q, cu_k, max_q, max_k (the tensors are then
-# the (1, total, H, D) views), and the attention mask (its (B, Hq, Nq, Nk) view, or None).
+# window ([] or [left, right, bottom_right], bottom_right 1 where the window is measured from the
+# bottom-right diagonal; a missing third entry means 0), for packed sequences cu_q, cu_k, max_q,
+# max_k (the tensors are then the (1, total, H, D) views), and the attention mask (its
+# (B, Hq, Nq, Nk) view, or None).
 def options(a: AttnArgs) -> tuple:
     """The operators' trailing arguments for the call ``a``."""
     vl = a.varlen
-    return (a.causal, a.scale, a.layout, a.kv_lens, list(a.window or ()),
+    window = [] if a.window is None else [*a.window, int(a.diagonal == "bottom_right")]
+    return (a.causal, a.scale, a.layout, a.kv_lens, window,
             None if vl is None else vl.cu_q, None if vl is None else vl.cu_k,
             0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k, a.mask)
 
 
 def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q,
           max_k, mask) -> AttnArgs:
+    align = None
+    if window:
+        align = "bottom_right" if len(window) > 2 and window[2] else "top_left"
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
-                     window=tuple(window) if window else None, attn_mask=mask)
+                     window=tuple(window[:2]) if window else None, attn_mask=mask, align=align)
     if cu_q is not None:  # checked by the public function: no device-to-host copy here
         a = varlen_args(a, q.device, cu_q, cu_k, max_q, max_k, check_values=False)
     return a

@@ -15,6 +15,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REF_DTYPES = KERNEL_DTYPES + (torch.float64,)
 _CAUSAL = {False: None, None: None, True: "top_left", "top_left": "top_left",
            "bottom_right": "bottom_right"}
+ALIGNS = ("top_left", "bottom_right")
 LAYOUTS = ("bhnd", "bnhd")
 
 
@@ -41,6 +42,15 @@ class AttnArgs:
     # attention mask: a (B, Hq, Nq, Nk) view (stride 0 along broadcast dims), float32 / the inputs'
     # dtype (added to the logits) or bool (True = attend); or None
     mask: torch.Tensor | None = field(default=None, compare=False)
+    # the diagonal a window is measured from when ``causal`` is None ("top_left" or "bottom_right");
+    # with causal attention ``causal`` names it. None: "top_left"
+    align: str | None = None
+
+    @property
+    def diagonal(self) -> str:
+        """The diagonal causal masking and the window are measured from: "top_left" (query ``i``'s
+        diagonal key is ``i``) or "bottom_right" (key ``i + Nk - Nq``)."""
+        return self.causal or self.align or "top_left"
 
     @property
     def window_left(self) -> int:
@@ -61,8 +71,9 @@ class AttnArgs:
 
     @property
     def causal_offset(self) -> int:
-        """With causal masking, query ``i`` sees key ``j`` iff ``j <= i + causal_offset``."""
-        return self.n_k - self.n_q if self.causal == "bottom_right" else 0
+        """Query ``i``'s diagonal key is ``i + causal_offset`` (causal masking: ``j <= i + causal_offset``;
+        a window's bounds are counted from it)."""
+        return self.n_k - self.n_q if self.diagonal == "bottom_right" else 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,25 @@ def _norm_causal(causal) -> str | None:
     raise ValueError(
         f"causal: expected False, True, 'top_left' or 'bottom_right', got {causal!r}"
     )
+
+
+def _norm_align(causal, align, window, n_q, n_k, default: str | None) -> str | None:
+    """The diagonal of the call: named by ``causal`` ("top_left" / "bottom_right"), else by ``align``,
+    else ``default`` (the convention of the function's model: flash-attn's bottom-right for the packed
+    API). Without any, a window with ``Nq != Nk`` is ambiguous (PyTorch and flash-attn measure it from
+    different diagonals) and refused; otherwise top-left. ``window``: normalised."""
+    if align is not None and align not in ALIGNS:
+        raise ValueError(f"align: expected None, 'top_left' or 'bottom_right', got {align!r}")
+    named = causal if isinstance(causal, str) else None
+    if named is not None and align is not None and named != align:
+        raise ValueError(f"align: expected None or {named!r} (the alignment causal={named!r} names), got {align!r}")
+    chosen = named or align or default
+    if chosen is None and window is not None and n_q != n_k:
+        raise ValueError(
+            f"align: a window with Nq != Nk ({n_q} queries, {n_k} keys) is measured from the top-left diagonal "
+            f"(PyTorch's convention) or the bottom-right one (flash-attn's); name it: align='top_left' or "
+            f"align='bottom_right' (or causal='top_left' / 'bottom_right'), got align=None")
+    return chosen
 
 
 def _norm_scale(scale, d_qk: int) -> float:
@@ -179,8 +209,11 @@ def _check_mask(mask, q, shape: tuple[int, int, int, int], any_float: bool) -> t
 
 def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
                  layout="bhnd", allow_float64: bool = True, kv_lens=None, window=None,
-                 attn_mask=None) -> AttnArgs:
+                 attn_mask=None, align=None, default_align: str | None = None) -> AttnArgs:
     """Validate shapes, dtypes, devices and options; return the normalised sizes.
+
+    ``align`` names the diagonal of causal masking and of the window (see ``_norm_align``);
+    ``default_align`` is the function's own convention where the call names none.
 
     Raises ``TypeError`` for wrong types/dtypes and ``ValueError`` for wrong values or shapes,
     each naming the argument, what was expected and what was given.
@@ -237,12 +270,19 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
         if t.device != x.device:
             raise ValueError(f"{name}: expected device {x.device} (that of {name[1]}), "
                              f"got {t.device}")
-    sizes = (b, h_q, h_kv, n_q, n_k, d_qk, d_v, _norm_causal(causal), _norm_scale(scale, d_qk), layout)
-    if kv_lens is None and window is None and attn_mask is None:
+    c = _norm_causal(causal)
+    if kv_lens is None and window is None and attn_mask is None and align is None and default_align is None:
+        return _plain_args((b, h_q, h_kv, n_q, n_k, d_qk, d_v, c, _norm_scale(scale, d_qk), layout))
+    win = None if window is None else _norm_window(window)
+    diag = _norm_align(causal, align, win, n_q, n_k, default_align)
+    if c is not None:
+        c = diag or c
+    sizes = (b, h_q, h_kv, n_q, n_k, d_qk, d_v, c, _norm_scale(scale, d_qk), layout)
+    if kv_lens is None and win is None and attn_mask is None:
         return _plain_args(sizes)
-    return AttnArgs(*sizes, None if kv_lens is None else _check_kv_lens(kv_lens, b, q.device),
-                    None if window is None else _norm_window(window), None,
-                    None if attn_mask is None else _check_mask(attn_mask, q, (b, h_q, n_q, n_k), allow_float64))
+    return AttnArgs(*sizes, None if kv_lens is None else _check_kv_lens(kv_lens, b, q.device), win, None,
+                    None if attn_mask is None else _check_mask(attn_mask, q, (b, h_q, n_q, n_k), allow_float64),
+                    None if c is not None else diag)
 
 
 # AttnArgs of the calls without options beyond causal and scale, by their sizes: building a frozen
@@ -290,11 +330,13 @@ def _check_offsets(name: str, host: list[int], total: int, max_len: int, max_nam
 
 
 def check_varlen(q, k, v, tq, tk, tv, cu_q, cu_k, max_q, max_k, *, causal=False, scale=None,
-                 window=None, allow_float64: bool = True, check_values: bool = True) -> AttnArgs:
+                 window=None, align=None, allow_float64: bool = True, check_values: bool = True) -> AttnArgs:
     """Validate a packed batch (q (total_q, Hq, Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv),
     int32 offsets ``cu_q``/``cu_k`` of shape (B + 1,)) and return its sizes as ``AttnArgs`` of the
     (1, total, H, D) "bnhd" views, ``batch`` = B, ``n_q``/``n_k`` = the longest sequences.
-    ``check_values`` reads the offsets back to the host (one synchronisation) to check them."""
+    ``check_values`` reads the offsets back to the host (one synchronisation) to check them. Causal
+    masking and windows are measured from each sequence's bottom-right diagonal unless ``causal`` or
+    ``align`` names "top_left" (flash-attn's convention, which the packed API mirrors)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("tq", tq), ("tk", tk), ("tv", tv)):
         if x is None and name.startswith("t"):
             continue
@@ -305,7 +347,7 @@ def check_varlen(q, k, v, tq, tk, tv, cu_q, cu_k, max_q, max_k, *, causal=False,
                              f"got shape {tuple(x.shape)}")
     views = [None if x is None else x.unsqueeze(0) for x in (q, k, v, tq, tk, tv)]
     a = check_inputs(*views, causal=causal, scale=scale, layout="bnhd", allow_float64=allow_float64,
-                     window=window)
+                     window=window, align=align, default_align="bottom_right")
     return varlen_args(a, q.device, cu_q, cu_k, max_q, max_k, check_values=check_values)
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import flashjvp
 from flashjvp._bwd import attn_bwd
-from flashjvp._validate import check_inputs
+from flashjvp._validate import LAYOUTS, _norm_causal, _norm_scale, check_inputs
 
 __all__ = ["ulysses_attention", "ulysses_attention_jvp", "ring_attention", "ring_attention_jvp", "zigzag_shard",
            "zigzag_unshard"]
@@ -82,17 +82,22 @@ def _check(q, k, v, tangents, group, layout, heads=True):
         raise RuntimeError("flashjvp.distributed: torch.distributed is not initialised "
                            "(call torch.distributed.init_process_group first)")
     p = _world(group)
-    if layout not in ("bhnd", "bnhd"):
-        raise ValueError(f"layout: expected 'bhnd' or 'bnhd', got {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     seq = 2 if layout == "bhnd" else 1
     head = 1 if layout == "bhnd" else 2
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-d tensor, got {getattr(x, 'shape', type(x).__name__)}")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            want = "(B, H, N/P, D)" if layout == "bhnd" else "(B, N/P, H, D)"
+            raise ValueError(f"{name}: expected a 4-d shard {want} for layout={layout!r}, got shape {tuple(x.shape)}")
         if heads and x.shape[head] % p:
             raise ValueError(f"{name}: expected a number of heads divisible by the group size {p}, "
                              f"got {x.shape[head]}")
     for name, t, x in zip(("tq", "tk", "tv"), tangents, (q, k, v)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
         if t is not None and t.shape != x.shape:
             raise ValueError(f"{name}: expected shape {tuple(x.shape)} (that of {name[1]}), got {tuple(t.shape)}")
     sizes = torch.tensor([q.shape[seq], k.shape[seq]], dtype=torch.int64,
@@ -108,19 +113,21 @@ def _to_bnhd(x, layout):
     return x if (x is None or layout == "bnhd") else x.transpose(1, 2)
 
 
-def ulysses_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bnhd"):
+def ulysses_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhnd"):
     """Attention over a sequence sharded across the ranks of ``group`` (DeepSpeed-Ulysses).
 
     Args:
-        q: this rank's shard, (B, Nq/P, Hq, Dqk) for ``layout="bnhd"`` (or (B, Hq, Nq/P, Dqk)
-            for ``"bhnd"``): rows ``[r Nq/P, (r+1) Nq/P)`` of the sequence on rank ``r``.
-        k, v: (B, Nk/P, Hkv, Dqk) and (B, Nk/P, Hkv, Dv) shards, likewise. ``Hq`` and ``Hkv``
-            must be divisible by the group size ``P``; every rank's shards have the same length.
+        q: this rank's shard, (B, Hq, Nq/P, Dqk) for ``layout="bhnd"`` (the default, as in
+            :func:`flashjvp.attention`) or (B, Nq/P, Hq, Dqk) for ``"bnhd"``: rows
+            ``[r Nq/P, (r+1) Nq/P)`` of the sequence on rank ``r``.
+        k, v: (B, Hkv, Nk/P, Dqk) and (B, Hkv, Nk/P, Dv) shards (or bnhd), likewise. ``Hq`` and
+            ``Hkv`` must be divisible by the group size ``P``; every rank's shards have the same length.
         group: the process group (default: the world).
         causal, scale: as in :func:`flashjvp.attention`, over global positions.
+        layout: ``"bhnd"`` or ``"bnhd"``; the output uses the same one.
 
     Returns:
-        this rank's shard of the output, (B, Nq/P, Hq, Dv) (or bhnd).
+        this rank's shard of the output, (B, Hq, Nq/P, Dv) (or bnhd).
 
     Differentiable, and forward-differentiable (``torch.func.jvp``, ``forward_ad``): tangents
     take the same all-to-all as their primals, each rank runs the fused forward+JVP kernel.
@@ -132,38 +139,64 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, scale=None, layout="
 
 
 def ulysses_attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, group=None, causal=False, scale=None,
-                          layout="bnhd"):
-    """:func:`ulysses_attention` and its tangent ``(o, to)`` for explicit tangents (``None`` is
-    zero), each primal sent in one all-to-all together with its tangent."""
+                          layout="bhnd", return_lse=False):
+    """:func:`ulysses_attention` and its tangent for explicit tangents (``None`` is zero), each
+    primal sent in one all-to-all together with its tangent: ``(o, to)`` or, with ``return_lse``,
+    ``(o, to, lse, mu)`` with lse, mu (B, Hq, Nq/P) float32 (this rank's rows), as
+    :func:`ring_attention_jvp` returns them. Every output is differentiable."""
     _check(q, k, v, (tq, tk, tv), group, layout)
 
-    def exchange(x, t, to_heads):  # primal and tangent stacked along the batch: one call
-        x, t = _to_bnhd(x, layout), _to_bnhd(t, layout)
+    def exchange(x, t, to_heads):  # bnhd primal and tangent stacked along the batch: one call
         if t is None:
             return _Exchange.apply(x, group, to_heads), None
         both = _Exchange.apply(torch.cat((x, t)), group, to_heads)
         return both[: x.shape[0]], both[x.shape[0]:]
 
-    (q, tq), (k, tk), (v, tv) = (exchange(x, t, True) for x, t in ((q, tq), (k, tk), (v, tv)))
-    o, to = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout="bnhd")
+    pairs = ((q, tq), (k, tk), (v, tv))
+    (q, tq), (k, tk), (v, tv) = (exchange(_to_bnhd(x, layout), _to_bnhd(t, layout), True) for x, t in pairs)
+    o, to, lse, mu = flashjvp.attention_jvp(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout="bnhd",
+                                            return_lse=True)
     o, to = exchange(o, to, False)
-    return _to_bnhd(o, layout), _to_bnhd(to, layout)
+    o, to = _to_bnhd(o, layout), _to_bnhd(to, layout)
+    if not return_lse:
+        return o, to
+    # (B, H/P, N) head shards of every row -> (B, H, N/P): the exchange of (B, N, H/P, 1) tensors
+    lse, mu = exchange(lse.transpose(1, 2).unsqueeze(-1), mu.transpose(1, 2).unsqueeze(-1), False)
+    return o, to, lse.squeeze(-1).transpose(1, 2), mu.squeeze(-1).transpose(1, 2)
 
 
 # --------------------------------------------------------------------------- ring attention
 
 
-def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s zig-zag shard of a whole sequence along ``dim``: the sequence cut into
-    ``2 * world`` equal chunks, the rank holding chunks ``rank`` and ``2 world - 1 - rank``. Causal
-    ring attention expects its inputs in this layout (the early chunks' light rows and the late
-    chunks' heavy rows on every rank)."""
+def _seq_dim(dim, layout) -> int:
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim: expected an int or None, got {type(dim).__name__}")
+        return dim
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    return 2 if layout == "bhnd" else 1
+
+
+def zigzag_shard(x: torch.Tensor, rank: int, world: int, dim: int | None = None, *,
+                 layout: str = "bhnd") -> torch.Tensor:
+    """Rank ``rank``'s zig-zag shard of a whole sequence along ``dim`` (default: the sequence dim
+    of ``layout``, 2 for ``"bhnd"``, 1 for ``"bnhd"``): the sequence cut into ``2 * world`` equal
+    chunks, the rank holding chunks ``rank`` and ``2 world - 1 - rank``. Causal ring attention
+    expects its inputs in this layout (the early chunks' light rows and the late chunks' heavy rows
+    on every rank)."""
+    dim = _seq_dim(dim, layout)
+    if x.shape[dim] % (2 * world):
+        raise ValueError(f"x: expected a length divisible by 2 * world = {2 * world} along dim {dim}, "
+                         f"got {x.shape[dim]}")
     chunks = x.chunk(2 * world, dim=dim)
     return torch.cat((chunks[rank], chunks[2 * world - 1 - rank]), dim=dim)
 
 
-def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
-    """The whole sequence from every rank's zig-zag shard (``shards[r]`` from rank r)."""
+def zigzag_unshard(shards: list[torch.Tensor], dim: int | None = None, *, layout: str = "bhnd") -> torch.Tensor:
+    """The whole sequence from every rank's zig-zag shard (``shards[r]`` from rank r); ``dim`` and
+    ``layout`` as in :func:`zigzag_shard`."""
+    dim = _seq_dim(dim, layout)
     world = len(shards)
     halves = [s.chunk(2, dim=dim) for s in shards]
     return torch.cat([halves[c][0] if c < world else halves[2 * world - 1 - c][1] for c in range(2 * world)], dim=dim)
@@ -357,19 +390,34 @@ def _has_tangent(x):
     return fwAD.unpack_dual(x).tangent is not None
 
 
-def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bnhd"):
+def _ring_options(q, k, causal, scale, layout):
+    """``(causal, scale)`` of a ring call, checked: causal ring attention runs on zig-zag shards of
+    one sequence (Nq == Nk, where top-left and bottom-right coincide) of even length."""
+    c = _norm_causal(causal)
+    seq = 1 if layout == "bnhd" else 2
+    if c is not None and q.shape[seq] != k.shape[seq]:
+        raise ValueError(f"causal: causal ring attention needs Nq == Nk (zig-zag shards of one sequence), "
+                         f"got shards of {q.shape[seq]} queries and {k.shape[seq]} keys")
+    if c is not None and q.shape[seq] % 2:
+        raise ValueError(f"q: causal ring attention needs an even shard length (two zig-zag chunks), "
+                         f"got {q.shape[seq]}")
+    return c is not None, _norm_scale(scale, q.shape[-1])
+
+
+def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhnd"):
     """Attention over a sequence sharded across the ranks of ``group``, by ring attention.
 
     Args:
-        q, k, v: this rank's shards, (B, Nq/P, Hq, Dqk), (B, Nk/P, Hkv, Dqk), (B, Nk/P, Hkv, Dv)
-            for ``layout="bnhd"`` (or bhnd). Without ``causal`` any assignment of contiguous
+        q, k, v: this rank's shards, (B, Hq, Nq/P, Dqk), (B, Hkv, Nk/P, Dqk), (B, Hkv, Nk/P, Dv)
+            for ``layout="bhnd"`` (the default; or (B, N/P, H, D) for ``"bnhd"``). Without
+            ``causal`` any assignment of contiguous
             shards to ranks works; with ``causal`` (top-left, over global positions, Nq == Nk)
             the shards must be zig-zag ones (:func:`zigzag_shard`), which balances the work.
             Every rank's shards have the same length; GQA as in :func:`flashjvp.attention`.
         group: the process group (default: the world).
 
     Returns:
-        this rank's shard of the output, (B, Nq/P, Hq, Dv) (or bhnd), in the input's order.
+        this rank's shard of the output, (B, Hq, Nq/P, Dv) (or bnhd), in the input's order.
 
     Differentiable (dK, dV passed around the ring) and forward-differentiable: under
     ``torch.func.jvp`` / ``forward_ad`` one ring carries the keys, values and their tangents and
@@ -377,24 +425,30 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bnh
     supported on this path (use :func:`ulysses_attention`).
     """
     _check(q, k, v, (None, None, None), group, layout, heads=False)
-    if causal and q.shape[1 if layout == "bnhd" else 2] % 2:
-        raise ValueError("q: causal ring attention needs an even shard length (two zig-zag chunks)")
+    causal, scale = _ring_options(q, k, causal, scale, layout)
     q, k, v = (_to_bnhd(x, layout) for x in (q, k, v))
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
-    o, _ = _Ring.apply(q, k, v, group, bool(causal), scale, defer)
+    o, _ = _Ring.apply(q, k, v, group, causal, scale, defer)
     return _to_bnhd(o, layout)
 
 
 def ring_attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, group=None, causal=False, scale=None,
-                       layout="bnhd", return_lse=False):
+                       layout="bhnd", return_lse=False):
     """:func:`ring_attention` and its tangent for explicit tangents (``None`` is zero), in one
-    ring: ``(o, to)`` or, with ``return_lse``, ``(o, to, lse, mu)`` with lse, mu (B, Hq, Nq/P)."""
+    ring: ``(o, to)`` or, with ``return_lse``, ``(o, to, lse, mu)`` with lse, mu (B, Hq, Nq/P).
+    Not differentiable: inputs that require grad are refused (differentiate :func:`ring_attention`
+    under ``torch.func.jvp``, or use :func:`ulysses_attention_jvp`)."""
     _check(q, k, v, (tq, tk, tv), group, layout, heads=False)
+    causal, scale = _ring_options(q, k, causal, scale, layout)
+    needs = [n for n, x in zip(("q", "k", "v", "tq", "tk", "tv"), (q, k, v, tq, tk, tv))
+             if x is not None and x.requires_grad]
+    if needs and torch.is_grad_enabled():
+        raise ValueError(f"{needs[0]}: ring_attention_jvp's outputs are not differentiable, expected inputs that "
+                         f"do not require grad (or torch.no_grad()), got requires_grad=True; differentiate "
+                         f"ring_attention under torch.func.jvp, or use ulysses_attention_jvp")
     q, k, v, tq, tk, tv = (_to_bnhd(x, layout) for x in (q, k, v, tq, tk, tv))
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():
-        o, to, lse, mu = _ring_forward(q, k, v, tq, tk, tv, group, bool(causal), scale)
+        o, to, lse, mu = _ring_forward(q, k, v, tq, tk, tv, group, causal, scale)
     if to is None:
         to, mu = torch.zeros_like(o), torch.zeros_like(lse)
     o, to = _to_bnhd(o, layout), _to_bnhd(to, layout)

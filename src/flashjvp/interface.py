@@ -67,7 +67,7 @@ def _cpu_block(q: torch.Tensor) -> int | None:
 def _ref(q, k, v, tq, tk, tv, a: AttnArgs, *, jvp: bool):
     """The math reference for the call ``a`` on the kernels' 4-d tensors: ``o``, or
     ``(o, to, lse, mu)`` when ``jvp`` (the CPU fallback, and the path under vmap)."""
-    kw = dict(causal=a.causal, scale=a.scale, window=a.window)
+    kw = dict(causal=a.causal, scale=a.scale, window=a.window, align=a.diagonal)
     if a.varlen is not None:  # the (1, total, H, D) views back to the packed (total, H, D) tensors
         vl = a.varlen
         sq = [None if x is None else x.squeeze(0) for x in (q, k, v, tq, tk, tv)]
@@ -180,7 +180,8 @@ def _attention_jvp(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
     return o, to, lse, mu
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None, window=None, attn_mask=None):
+def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None, window=None, attn_mask=None,
+              align=None):
     """Scaled dot-product attention ``softmax(scale * q @ k^T) @ v`` (FlashAttention).
 
     Args:
@@ -200,12 +201,16 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
             sees (values outside [0, Nk] are clamped). Causal alignment counts all Nk keys.
         window: sliding window ``(left, right)`` (flash-attn's ``window_size``; -1 = unbounded):
             query i sees keys ``i + d - left <= j <= i + d + right``, where the diagonal ``d`` is
-            ``Nk - Nq`` with ``causal="bottom_right"`` and 0 otherwise. With ``causal`` the right
+            ``Nk - Nq`` for bottom-right alignment and 0 for top-left. With ``causal`` the right
             side is 0. Key blocks outside every row's window are skipped.
         attn_mask: a bool (True = attend) or float (added to the scaled logits; float32 or q's
             dtype) tensor broadcastable to (B, Hq, Nq, Nk), as in PyTorch SDPA; read tile by tile,
             never expanded (a (B, 1, 1, Nk) mask costs one key vector per tile). It takes no
             gradient and no tangent (one that requires grad is refused).
+        align: the diagonal ``causal`` and ``window`` are measured from, ``"top_left"`` or
+            ``"bottom_right"``; ``None``: the one ``causal`` names, else top-left. A window with
+            ``Nq != Nk`` must name one (``align`` or a ``causal`` string): PyTorch and flash-attn
+            differ there, so ``ValueError`` rather than a guess (docs/semantics.md).
 
     Returns:
         o: (B, Hq, Nq, Dv) / (B, Nq, Hq, Dv), dtype of q.
@@ -219,16 +224,16 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
         if plan is not None and (o := plan(q, k, v)) is not None:
             return o
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
-                     window=window, attn_mask=attn_mask)
+                     window=window, attn_mask=attn_mask, align=align)
     return _attention(q, k, v, a)
 
 
 def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
-                  layout="bhnd", return_lse=False, kv_lens=None, window=None, attn_mask=None):
+                  layout="bhnd", return_lse=False, kv_lens=None, window=None, attn_mask=None, align=None):
     """Attention and its forward-mode derivative in one fused kernel launch.
 
     Args:
-        q, k, v, causal, scale, layout, kv_lens, window, attn_mask: as in :func:`attention`.
+        q, k, v, causal, scale, layout, kv_lens, window, attn_mask, align: as in :func:`attention`.
         tq, tk, tv: tangents with the shapes and dtypes of q, k, v (strides may differ);
             ``None`` means zero, and the matrix products it would feed are skipped.
         return_lse: also return ``lse`` and its tangent ``mu``.
@@ -241,7 +246,7 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     backward kernels; through ``to``, ``lse`` or ``mu`` this is the second-order backward).
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
-                     allow_float64=False, kv_lens=kv_lens, window=window, attn_mask=attn_mask)
+                     allow_float64=False, kv_lens=kv_lens, window=window, attn_mask=attn_mask, align=align)
     o, to, lse, mu = _attention_jvp(q, k, v, tq, tk, tv, a, return_lse)
     return (o, to, lse, mu) if return_lse else (o, to)
 
@@ -251,7 +256,7 @@ def _unsqueeze(*xs):
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     causal=False, scale=None, window=None):
+                     causal=False, scale=None, window=None, align=None):
     """Attention over a packed batch of variable-length sequences (flash-attn's
     ``flash_attn_varlen_func`` convention).
 
@@ -264,8 +269,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; sequences of length 0 are allowed. They are read
             back once per call to check them (not under torch.compile or CUDA graph capture).
         max_seqlen_q, max_seqlen_k: ints, at least the longest query / key sequence.
-        causal, scale, window: as in :func:`attention`, per sequence (bottom-right alignment uses
-            each sequence's own lengths).
+        causal, scale, window: as in :func:`attention`, per sequence, but aligned as flash-attn
+            aligns them: ``causal=True`` and windows are measured from each sequence's bottom-right
+            diagonal (query i sees keys j <= i + nk - nq), using its own lengths.
+        align: ``None`` or ``"bottom_right"`` (flash-attn's convention), or ``"top_left"``
+            (PyTorch's; as ``causal="top_left"``) for causal masking and windows.
 
     Returns:
         o: (total_q, Hq, Dv), dtype of q; rows of a sequence without keys are zeros.
@@ -273,12 +281,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     Differentiable and forward-differentiable like :func:`attention`.
     """
     a = check_varlen(q, k, v, None, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     causal=causal, scale=scale, window=window, allow_float64=False)
+                     causal=causal, scale=scale, window=window, align=align, allow_float64=False)
     return _attention(*_unsqueeze(q, k, v), a).squeeze(0)
 
 
 def attention_varlen_jvp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         tq=None, tk=None, tv=None, *, causal=False, scale=None, window=None, return_lse=False):
+                         tq=None, tk=None, tv=None, *, causal=False, scale=None, window=None, return_lse=False,
+                         align=None):
     """:func:`attention_varlen` and its forward-mode derivative in one fused kernel launch.
 
     Args:
@@ -289,7 +298,7 @@ def attention_varlen_jvp(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         Every output is differentiable, as in :func:`attention_jvp`.
     """
     a = check_varlen(q, k, v, tq, tk, tv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     causal=causal, scale=scale, window=window, allow_float64=False)
+                     causal=causal, scale=scale, window=window, align=align, allow_float64=False)
     o, to, lse, mu = _attention_jvp(*_unsqueeze(q, k, v, tq, tk, tv), a, return_lse)
     if return_lse:
         return o.squeeze(0), to.squeeze(0), lse.squeeze(0), mu.squeeze(0)

@@ -12,9 +12,11 @@ Visibility: query row ``i`` sees key ``j`` iff all of
 * ``j >= i + off - window_left`` when ``window_left >= 0``;
 * ``attn_mask[b, h, i, j]`` when a boolean ``attn_mask`` is given (a float one is added to the scaled logits);
 
-with ``off = Nk - Nq`` for ``causal="bottom_right"`` and ``0`` otherwise. A row that sees no key gives
-``o = 0``, ``lse = -inf``, ``mu = 0`` and zero gradients. The packed variable-length forms apply the same
-rule to each sequence with its own lengths.
+with ``off = Nk - Nq`` for bottom-right alignment and ``0`` for top-left. The dense forms align top-left
+unless ``causal="bottom_right"`` or ``align="bottom_right"``, and refuse a window with ``Nq != Nk`` that
+names no alignment; the packed variable-length forms (flash-attn's convention) align bottom-right unless
+``causal="top_left"`` or ``align="top_left"``, and apply the rule to each sequence with its own lengths
+(docs/semantics.md). A row that sees no key gives ``o = 0``, ``lse = -inf``, ``mu = 0`` and zero gradients.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ def attention_ref(
     kv_lens: torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
     attn_mask: torch.Tensor | None = None,
+    align: str | None = None,
 ):
     """Attention in PyTorch math, in the dtype of the inputs; same contract as ``flashjvp.attention``.
 
@@ -98,13 +101,13 @@ def attention_ref(
     query ``i`` sees keys ``i + off - left <= j <= i + off + right`` (``-1``: that side unbounded; causal
     sets ``right = 0``; ``off`` as in the module docstring). ``attn_mask`` broadcastable to (B, Hq, Nq, Nk)
     (logical order, whatever the layout), not requiring grad: bool (``True`` = attend) or float32 / q's dtype
-    (added to the scaled logits). ``block_q`` processes the query rows in blocks of that many, so memory
-    stays O(block_q * Nk) per head instead of O(Nq * Nk).
+    (added to the scaled logits). ``align`` as in ``flashjvp.attention``. ``block_q`` processes the query
+    rows in blocks of that many, so memory stays O(block_q * Nk) per head instead of O(Nq * Nk).
     Returns ``o`` (B, Hq, Nq, Dv) in the layout of ``q``, or ``(o, lse)`` with ``lse`` (B, Hq, Nq) float32.
     Differentiable in every mode (reverse, forward, vmap).
     """
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, kv_lens=kv_lens, window=window,
-                     attn_mask=attn_mask)
+                     attn_mask=attn_mask, align=align)
     qb, kb, vb = (bhnd_view(x, layout) for x in (q, k, v))
     if a.groups > 1:
         kb = kb.repeat_interleave(a.groups, dim=1)
@@ -123,7 +126,7 @@ def attention_ref(
 
 def attention_jvp_ref(
     q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None, layout="bhnd",
-    return_lse=False, block_q=None, kv_lens=None, window=None, attn_mask=None,
+    return_lse=False, block_q=None, kv_lens=None, window=None, attn_mask=None, align=None,
 ):
     """``(o, to)`` (or ``(o, to, lse, mu)``) from ``torch.func.jvp`` of :func:`attention_ref`.
 
@@ -133,7 +136,8 @@ def attention_jvp_ref(
 
     def fn(q_, k_, v_):
         return attention_ref(q_, k_, v_, causal=causal, scale=scale, layout=layout,
-                             return_lse=True, block_q=block_q, kv_lens=kv_lens, window=window, attn_mask=attn_mask)
+                             return_lse=True, block_q=block_q, kv_lens=kv_lens, window=window, attn_mask=attn_mask,
+                             align=align)
 
     return _jvp_with_lse(fn, q, k, v, tq, tk, tv, return_lse)
 
@@ -152,19 +156,21 @@ def attention_varlen_ref(
     window: tuple[int, int] | None = None,
     return_lse: bool = False,
     block_q: int | None = None,
+    align: str | None = None,
 ):
     """Attention over a packed batch of variable-length sequences (flash-attn's varlen convention).
 
     q (total_q, Hq, Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv); ``cu_seqlens_q`` / ``cu_seqlens_k``
     int32 (B + 1,) offsets: sequence ``b`` is query rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and keys
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``, no longer than ``max_seqlen_q`` / ``max_seqlen_k``. Each sequence
-    is :func:`attention_ref` on its own (causal alignment and window use its own lengths, ``off = n_k - n_q``
-    for ``"bottom_right"``); a sequence with no key gives zero rows and ``lse = -inf``, one with no query
-    gives nothing. Returns ``o`` (total_q, Hq, Dv), or ``(o, lse)`` with ``lse`` (Hq, total_q) float32.
+    is :func:`attention_ref` on its own (causal alignment and window use its own lengths: ``off = n_k - n_q``,
+    flash-attn's bottom-right diagonal, unless ``causal="top_left"`` or ``align="top_left"``); a sequence
+    with no key gives zero rows and ``lse = -inf``, one with no query gives nothing. Returns ``o``
+    (total_q, Hq, Dv), or ``(o, lse)`` with ``lse`` (Hq, total_q) float32.
     Differentiable (reverse and forward mode).
     """
     a = check_varlen(q, k, v, None, None, None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                     causal=causal, scale=scale, window=window, allow_float64=True)
+                     causal=causal, scale=scale, window=window, align=align, allow_float64=True)
     cu_q, cu_k = a.varlen.cu_q.tolist(), a.varlen.cu_k.tolist()
     outs, lses = [], []
     for (q0, q1), (k0, k1) in zip(zip(cu_q, cu_q[1:]), zip(cu_k, cu_k[1:])):
@@ -174,8 +180,8 @@ def attention_varlen_ref(
             outs.append(q[q0:q1, :, :1].expand(-1, -1, a.d_v) * 0)
             lses.append(torch.full((a.h_q, q1 - q0), float("-inf"), device=q.device, dtype=torch.float32))
             continue
-        o, lse = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal, scale=a.scale,
-                               layout="bnhd", return_lse=True, block_q=block_q, window=window)
+        o, lse = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=a.causal, scale=a.scale,
+                               layout="bnhd", return_lse=True, block_q=block_q, window=window, align=a.diagonal)
         outs.append(o[0])
         lses.append(lse[0])
     o = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
@@ -185,7 +191,7 @@ def attention_varlen_ref(
 
 def attention_varlen_jvp_ref(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tq=None, tk=None, tv=None, *,
-    causal=False, scale=None, window=None, return_lse=False, block_q=None,
+    causal=False, scale=None, window=None, return_lse=False, block_q=None, align=None,
 ):
     """``(o, to)`` (or ``(o, to, lse, mu)``) from ``torch.func.jvp`` of :func:`attention_varlen_ref`.
 
@@ -193,10 +199,11 @@ def attention_varlen_jvp_ref(
     Missing tangents are zero. Computed in the dtype of the inputs.
     """
     check_varlen(q, k, v, tq, tk, tv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 causal=causal, scale=scale, window=window, allow_float64=True)
+                 causal=causal, scale=scale, window=window, align=align, allow_float64=True)
 
     def fn(q_, k_, v_):
         return attention_varlen_ref(q_, k_, v_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    causal=causal, scale=scale, window=window, return_lse=True, block_q=block_q)
+                                    causal=causal, scale=scale, window=window, return_lse=True, block_q=block_q,
+                                    align=align)
 
     return _jvp_with_lse(fn, q, k, v, tq, tk, tv, return_lse)
