@@ -220,7 +220,8 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
     """
     if kv_lens is None and window is None and attn_mask is None:  # plain calls: a cached plan
         plan = plain_plan(q, k, v, causal, scale, layout,
-                          lambda: check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False))
+                          lambda: check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False,
+                                               align=align), tag=align)
         if plan is not None and (o := plan(q, k, v)) is not None:
             return o
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
