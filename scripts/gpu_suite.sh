@@ -12,7 +12,8 @@
 # python -m flashjvp.bench_masks, e.g. --cases 1,3); FLASHJVP_AUTOTUNE is passed through.
 # The benchmark adds the reference kernel when benchmarks/third_party/reference_jvp.py exists.
 # HOST_ARGS, DISPATCH_ARGS and MODELS_ARGS add options to benchmarks/host_time.py, dispatch_table.py
-# and models.py (MODELS_LIMIT: its --time-limit, default 240).
+# and models.py (MODELS_LIMIT: its --time-limit, default 240; DISPATCH_LIMIT: seconds for the
+# dispatch table, default 300).
 # Writes $OUT/gpu.txt, $OUT/tests.log, $OUT/bench.log, $OUT/bench/bench.{json,md,png}, and for the
 # masks step $OUT/masks.log and $OUT/masks/masks.{json,md}.
 set -uo pipefail
@@ -68,11 +69,12 @@ fi
 # (e) host time per eager call, the plain-path dispatch table, the model-level benchmark
 if has host; then
   # shellcheck disable=SC2086
-  FLASHJVP_POISON=0 python3 benchmarks/host_time.py --out "$OUT" ${HOST_ARGS:-} 2>&1 | tail -12
+  FLASHJVP_POISON=0 timeout 120 python3 benchmarks/host_time.py --out "$OUT" ${HOST_ARGS:-} 2>&1 | tail -12
 fi
 if has dispatch; then
   # shellcheck disable=SC2086
-  FLASHJVP_POISON=0 python3 benchmarks/dispatch_table.py --quick --out "$OUT" ${DISPATCH_ARGS:-} >"$OUT/dispatch.log" 2>&1
+  FLASHJVP_POISON=0 timeout "${DISPATCH_LIMIT:-300}" python3 benchmarks/dispatch_table.py --quick --out "$OUT" \
+    ${DISPATCH_ARGS:-} >"$OUT/dispatch.log" 2>&1
   echo "dispatch: exit status $?"
 fi
 if has models; then
