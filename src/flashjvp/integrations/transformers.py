@@ -44,6 +44,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "(pip install 'flashjvp[transformers]')") from e
 
 import flashjvp
+from flashjvp._validate import _plain as unwrap
 
 __all__ = ["register", "attention_forward", "NAME"]
 
@@ -102,8 +103,14 @@ def _varlen(query, key, value, cu_q, cu_k, max_q, max_k, causal, scale, window):
     return o.unsqueeze(0)
 
 
-def _plain(x) -> bool:
-    return isinstance(x, torch.Tensor) and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+def _unwrapped(x):
+    """A bool mask or integer positions without ``torch.func``'s grad/jvp wrappers (which wrap
+    every tensor made inside them; these have no derivative), or None for anything else,
+    vmap-batched tensors included."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    x = unwrap(x)
+    return None if torch._C._functorch.is_functorch_wrapped_tensor(x) else x
 
 
 def _padding_plan(m: torch.Tensor, nq: int, nk: int, batch: int):
@@ -143,13 +150,12 @@ def _packed_plan(m: torch.Tensor, position_ids: torch.Tensor, n: int, batch: int
 
 def _plan(mask, position_ids, nq: int, nk: int, batch: int):
     """How to run a 4-d mask: a padding or packed plan, or ``("dense",)``. Cached per mask."""
-    if (not _plain(mask) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
+    key, mask, position_ids = id(mask), _unwrapped(mask), _unwrapped(position_ids)
+    if (mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
             or mask.shape[0] not in (1, batch) or mask.shape[2:] != (nq, nk) or torch.compiler.is_compiling()
             or (mask.is_cuda and torch.cuda.is_current_stream_capturing())):
         return ("dense",)
-    if not _plain(position_ids):
-        position_ids = None
-    hit = _plans.get(id(mask))
+    hit = _plans.get(key)
     if hit is not None and hit[0]() is mask and (hit[1] is None or hit[1]() is position_ids):
         return hit[2]
     m = mask[:, 0]
@@ -160,7 +166,7 @@ def _plan(mask, position_ids, nq: int, nk: int, batch: int):
     while len(_plans) >= _MAX_PLANS:
         _plans.pop(next(iter(_plans)))
     pos_ref = weakref.ref(position_ids) if plan[0] == "packed" else None
-    _plans[id(mask)] = (weakref.ref(mask), pos_ref, plan)
+    _plans[key] = (weakref.ref(mask), pos_ref, plan)
     return plan
 
 
