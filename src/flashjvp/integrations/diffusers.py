@@ -6,7 +6,8 @@ attention processor for the older ``Attention`` blocks.
   runs flashjvp in every processor that dispatches (Flux, Wan, QwenImage, HunyuanVideo, LTX, ...).
   It is registered as supporting context parallelism: under ``model.enable_parallelism(config=
   ContextParallelConfig(...))`` each call runs :mod:`flashjvp.distributed` on the config's device
-  meshes (Ulysses, ring, or both), with tangents.
+  meshes (Ulysses, ring, or both), with tangents (:func:`enable_context_parallel_jvp` gives
+  diffusers' output gather the forward-mode rule it lacks).
 * :class:`FlashJVPAttnProcessor` is ``AttnProcessor2_0`` (the processor of ``Attention`` blocks
   that call ``F.scaled_dot_product_attention`` themselves: DiT, PixArt, UNet transformer blocks)
   with its SDPA call routed to :func:`flashjvp.sdpa`.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 
 try:
     from diffusers.models import attention_dispatch
@@ -36,7 +38,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import flashjvp
 
-__all__ = ["register_backend", "FlashJVPAttnProcessor", "apply", "BACKEND"]
+__all__ = ["register_backend", "FlashJVPAttnProcessor", "apply", "enable_context_parallel_jvp", "BACKEND"]
 
 BACKEND = "flashjvp"
 
@@ -62,12 +64,56 @@ def _add_enum_member(enum_cls, name: str, value: str):
 def register_backend() -> str:
     """Register flashjvp in diffusers' attention dispatcher as ``"flashjvp"``, with context
     parallelism; returns the name. Idempotent. See the module docstring for how the name is
-    added to ``AttentionBackendName``."""
+    added to ``AttentionBackendName``, and :func:`enable_context_parallel_jvp` (called here) for
+    the forward-mode rule of diffusers' context-parallel output gather."""
     registry = attention_dispatch._AttentionBackendRegistry
     member = _add_enum_member(attention_dispatch.AttentionBackendName, BACKEND.upper(), BACKEND)
     if registry._backends.get(member) is not _flashjvp_attention:
         registry.register(member, constraints=[], supports_context_parallel=True)(_flashjvp_attention)
+    enable_context_parallel_jvp()
     return BACKEND
+
+
+class _AllGather(torch.autograd.Function):
+    """diffusers' ``AllGatherFunction`` (the context-parallel output gather: every rank's shard
+    concatenated along ``dim``; the gradient is this rank's chunk) with a forward-mode rule: the
+    tangent is gathered the same way."""
+
+    @staticmethod
+    def forward(tensor, dim, group):
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.dim, ctx.group = inputs
+
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        return _AllGather.apply(tangent, ctx.dim, ctx.group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        chunks = grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)
+        return chunks[dist.get_rank(ctx.group)], None, None
+
+
+def enable_context_parallel_jvp() -> None:
+    """Give diffusers' context-parallel output gather a forward-mode rule, so that
+    ``torch.func.jvp`` runs through a model under ``enable_parallelism``.
+
+    diffusers (0.42) gathers a context-parallel model's output with
+    ``diffusers.hooks.context_parallel.AllGatherFunction``, an ``autograd.Function`` without
+    ``setup_context`` or ``jvp``: under ``torch.func.jvp`` it raises, whatever the attention
+    backend. This replaces that module attribute (read by ``EquipartitionSharder.unshard`` at
+    each call) by :class:`_AllGather`, which computes the same forward and backward. Idempotent;
+    a diffusers without that attribute is left alone (its gather may then need the same fix).
+    """
+    from diffusers.hooks import context_parallel
+
+    if hasattr(context_parallel, "AllGatherFunction"):
+        context_parallel.AllGatherFunction = _AllGather
 
 
 def _flashjvp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
