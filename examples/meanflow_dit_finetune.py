@@ -12,8 +12,12 @@ The DiT has one time input; ``t - r`` enters as a second input channel filled wi
 tiny DiT), ``--save DIR`` saves the result. Quality: a logistic-regression digit classifier
 trained on the real digits labels the one-step samples ``x = e - u(e, 0, 1)``.
 
-    env -u TRITON_INTERPRET python examples/meanflow_dit_finetune.py            # CPU: ~2 min
-    env -u TRITON_INTERPRET python examples/meanflow_dit_finetune.py --steps 5  # smoke run
+    env -u TRITON_INTERPRET python examples/meanflow_dit_finetune.py --steps 60 --save /tmp/dit
+    env -u TRITON_INTERPRET python examples/meanflow_dit_finetune.py --init /tmp/dit   # fine-tune
+
+On 2 CPU cores (0.39M parameters, about 0.1 s a step when the cores are free) the fine-tune's
+1500 steps lowered the loss from 0.52 to 0.35, and 97.5% of the one-step samples were read as
+their class (578 s on a shared, loaded machine).
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ def class_accuracy(x, y, samples, wanted) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--heads", type=int, default=4)
