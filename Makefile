@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # CPU CI pins torch's CPU build (2.13.0), Triton 3.6 and the model libraries tested with them
 # (torchvision 0.28.0 pairs with torch 2.13.0); the rest comes from the `dev` extra (pyproject.toml).
-PINS := torch==2.13.0 triton==3.6.0 torchvision==0.28.0 timm==1.0.31 diffusers==0.42.1
+PINS := torch==2.13.0 triton==3.6.0 torchvision==0.28.0 timm==1.0.31 diffusers==0.42.1 transformers==5.23.0
 HAS_GPU = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
 .PHONY: test demo lint bench gpu-test clean
