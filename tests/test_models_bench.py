@@ -1,0 +1,99 @@
+"""benchmarks/models.py end to end with ``--tiny`` (CPU-sized configs; on the CPU flashjvp's
+kernels run in Triton's interpreter): every step of the DiT-XL attention block and of diffusers'
+DiT measures, the flashjvp rows launch flashjvp's kernels and the torch rows do not, one compiled
+row compiles the whole step, and a time limit turns rows into skips without building a model."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashjvp._policy import interpreting
+
+pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()), reason="needs the kernels"),
+              pytest.mark.usefixtures("one_thread")]
+STEPS = {"plain", "meanflow", "scm"}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "models.py"
+    spec = importlib.util.spec_from_file_location("benchmarks_models", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the tiny models are far faster so on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def run(bench, out: Path, *args) -> tuple[dict, list[dict]]:
+    assert bench.main(["--tiny", "--repeat", "1", "--out", str(out), *args]) == 0
+    data = json.loads((out / "models.json").read_text())
+    return data, data["rows"]
+
+
+def check_measured(rows, model, providers):
+    """Every step x provider measured, with a finite time; flashjvp's kernels ran exactly in the
+    flashjvp rows (its sdpa, no fallback to PyTorch's math)."""
+    mine = [r for r in rows if r["model"] == model]
+    expected = {(s, p) for s in STEPS for p in providers if p != "torch-math" or s == "plain"}
+    assert {(r["step"], r["provider"]) for r in mine} == expected
+    for r in mine:
+        assert r["status"] == "ok" and r["reason"] == "", r
+        assert math.isfinite(r["ms"]) and r["ms"] > 0 and r["first_s"] > 0, r
+        assert (r["launches"] > 0) == (r["provider"] == "flashjvp"), r
+        assert r["dims"] and r["mode"] == "eager" and r["compiled"] == ""
+
+
+def test_block_every_step_and_provider(bench, tmp_path):
+    data, rows = run(bench, tmp_path, "--models", "dit-xl-block", "--modes", "eager",
+                     "--providers", "torch", "torch-math", "flashjvp")
+    check_measured(rows, "dit-xl-block", ["torch", "torch-math", "flashjvp"])
+    assert data["tiny"] and data["dtype"] == "fp32" and data["command"].startswith("python -m benchmarks.models")
+    md = (tmp_path / "models.md").read_text()
+    assert md.startswith("# flashjvp model benchmark: ") and "torch / flashjvp" in md and "--tiny" in md
+    assert "| dit-xl-block | scm | eager |" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "models.png").stat().st_size > 0
+    # --append: a later run's skips never replace these measurements; its new rows are added
+    data, again = run(bench, tmp_path, "--models", "dit-xl-block", "--modes", "eager", "compile", "--append",
+                      "--time-limit", "1e-9")
+    assert again[: len(rows)] == rows and data["command"].count("benchmarks.models") == 2
+    assert {r["mode"] for r in again[len(rows):]} == {"compile"} and len(again) == len(rows) + 6
+
+
+def test_diffusers_dit_every_step(bench, tmp_path):
+    from test_models import _import_torchvision
+
+    _import_torchvision()  # diffusers imports torchvision where installed
+    pytest.importorskip("diffusers")
+    _, rows = run(bench, tmp_path, "--models", "dit-xl2-256", "--modes", "eager")
+    check_measured(rows, "dit-xl2-256", ["torch", "flashjvp"])
+    assert "depth 1" in rows[0]["dims"] and "N16" in rows[0]["dims"]
+
+
+def test_compiled_step(bench, tmp_path):
+    """One compiled row: forward + loss in one torch.compile region, flashjvp's kernels inside."""
+    _, rows = run(bench, tmp_path, "--models", "dit-xl-block", "--steps", "plain", "--modes", "compile",
+                  "--providers", "flashjvp")
+    (r,) = rows
+    assert r["status"] == "ok" and r["compiled"] == "step" and r["graphs"] >= 1 and r["launches"] > 0, r
+
+
+def test_time_limit_skips(bench, tmp_path):
+    _, rows = run(bench, tmp_path, "--models", "dit-xl-block", "wan-block-32k", "--time-limit", "1e-9")
+    assert rows and all(r["status"] == "skipped" and "time limit" in r["reason"] for r in rows)
+    assert [r["mode"] for r in rows[:6]] == ["eager"] * 6 and rows[6]["model"] == "dit-xl-block"
