@@ -60,6 +60,7 @@ class Case:
     target: torch.Tensor
     h: torch.Tensor
     name: str = ""
+    model: nn.Module | None = None
 
 
 class AttentionBlock(nn.Module):
@@ -85,7 +86,15 @@ def _case(model: nn.Module, fn: Callable, x: torch.Tensor, dims: str, with_time:
     params = list(model.parameters())
     dims += f", {sum(p.numel() for p in params) / 1e6:.3g}M params"
     return Case(dims, fn, params, primals, tangents, torch.randn_like(x),
-                (t - r).view(b, *[1] * (x.dim() - 1)))
+                (t - r).view(b, *[1] * (x.dim() - 1)), model=model)
+
+
+def in_dtype(case: Case, dtype: torch.dtype) -> Case:
+    """``case`` with its model's weights and buffers and its float inputs in ``dtype`` (``--bf16-weights``)."""
+    case.model.to(dtype)
+    cast = lambda xs: tuple(x.to(dtype) for x in xs)  # noqa: E731
+    return replace(case, primals=cast(case.primals), tangents=cast(case.tangents), target=case.target.to(dtype),
+                   h=case.h.to(dtype))
 
 
 def build_block(cfg: dict, b: int, device) -> Case:
@@ -228,7 +237,8 @@ def run_row(case: Case, row: Row, args, cuda: bool) -> Row:
     """Measure ``row`` (compiled modes: the whole step first, the network alone if that fails); on
     the GPU under bf16 autocast with float32 weights, as mixed-precision training runs."""
     loss = LOSSES[row.step]
-    cast = contextlib.nullcontext() if args.tiny else torch.autocast(case.target.device.type, dtype=torch.bfloat16)
+    plain = args.tiny or args.bf16_weights
+    cast = contextlib.nullcontext() if plain else torch.autocast(case.target.device.type, dtype=torch.bfloat16)
     kw = {"mode": "reduce-overhead"} if row.mode == "reduce-overhead" else {}
 
     def step_of(fn: Callable) -> Callable:
@@ -376,6 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="CPU-sized configs, batch 2, float32 (the smoke test)")
     ap.add_argument("--warmup", type=int, help="untimed steps, the first compiles (default 3; --tiny 1)")
     ap.add_argument("--repeat", type=int, help="timed steps per row (default 20; --tiny 2)")
+    ap.add_argument("--bf16-weights", action="store_true", help="weights and inputs in bf16, no autocast (PyTorch's "
+                    "math SDPA fails under autocast with torch.func.jvp: 'expected input and grad types to match')")
     ap.add_argument("--time-limit", type=float, default=0.0, help="seconds, then rows are skipped (0: none)")
     ap.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<gpu-name-slug>)")
     ap.add_argument("--append", action="store_true", help="keep the rows of --out's models.json that this run "
@@ -403,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     args.repeat = max(1, args.repeat or (2 if args.tiny else 20))
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     meta = {**run_metadata(gpu, "benchmarks.models", argv), "tiny": args.tiny, "warmup": args.warmup,
-            "dtype": "fp32" if args.tiny else "bf16 autocast, fp32 weights", "repeat": args.repeat,
+            "dtype": "fp32" if args.tiny else "bf16 weights" if args.bf16_weights else "bf16 autocast, fp32 weights",
+            "repeat": args.repeat,
             "diffusers": importlib.metadata.version("diffusers") if importlib.util.find_spec("diffusers") else "none"}
     out = args.out or results_dir(gpu)
     old = json.loads((out / "models.json").read_text()) if args.append and (out / "models.json").exists() else {}
@@ -424,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                 case = builder(tiny if args.tiny else full, 2 if args.tiny else args.batch or batch,
                                torch.device("cuda" if cuda else "cpu"))
                 case.name = row.model
+                if args.bf16_weights and not args.tiny:
+                    case = in_dtype(case, torch.bfloat16)
             except Exception as e:  # noqa: BLE001 - e.g. diffusers missing: the model's rows are skipped
                 failed[row.model] = f"model not built: {_reason(e, [])}"
         if row.status == "ok" and row.model in failed:
