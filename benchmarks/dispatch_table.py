@@ -54,28 +54,10 @@ def measure(shape, provider: str, quick: bool) -> dict:
     return {"fwd_ms": fwd, "bwd_ms": bwd}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dims", type=int, nargs="+", default=None, help="only these head dims")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    gpu = torch.cuda.get_device_name()
-    rows = []
-    for shape in [s for s in SHAPES if args.dims is None or s[4] in args.dims]:
-        row = {"shape": list(shape)}
-        for provider in PROVIDERS:
-            try:
-                for key, value in measure(shape, provider, args.quick).items():
-                    row[f"{provider}_{key}"] = value
-            except Exception as e:  # noqa: BLE001 - a row with the reason, the run goes on
-                row[f"{provider}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
-        rows.append(row)
-        print(row, flush=True)
-    os.environ.pop("FLASHJVP_CUDNN", None)
-    out = args.out or results_dir(gpu)
+def write_report(rows: list[dict], meta: dict, out: Path) -> None:
+    """``dispatch_table.json`` and ``dispatch_table.md`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    meta = run_metadata(gpu, "benchmarks/dispatch_table.py", argv)
+    gpu = meta["gpu"]
     (out / "dispatch_table.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     f = lambda r, key: f"{r[key]:.3f}" if key in r else r.get(key.split("_")[0] + "_error", "")  # noqa: E731
     lines = [f"# Plain forward and backward: Triton against cuDNN ({gpu})", "",
@@ -93,6 +75,30 @@ def main(argv=None):
                      f"{f(r, 'torch_fwd_ms')} | {ratio('fwd_ms')} | {f(r, 'triton_bwd_ms')} | {f(r, 'cudnn_bwd_ms')} | "
                      f"{f(r, 'torch_bwd_ms')} | {ratio('bwd_ms')} |")
     (out / "dispatch_table.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dims", type=int, nargs="+", default=None, help="only these head dims")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    gpu = torch.cuda.get_device_name()
+    out = args.out or results_dir(gpu)
+    meta = run_metadata(gpu, "benchmarks/dispatch_table.py", argv)
+    rows = []
+    for shape in [s for s in SHAPES if args.dims is None or s[4] in args.dims]:
+        row = {"shape": list(shape)}
+        for provider in PROVIDERS:
+            try:
+                for key, value in measure(shape, provider, args.quick).items():
+                    row[f"{provider}_{key}"] = value
+            except Exception as e:  # noqa: BLE001 - a row with the reason, the run goes on
+                row[f"{provider}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        rows.append(row)
+        print(row, flush=True)
+        write_report(rows, meta, out)  # after every row: a run cut short still leaves its report
+    os.environ.pop("FLASHJVP_CUDNN", None)
     print(f"wrote {out / 'dispatch_table.md'}")
 
 

@@ -355,11 +355,12 @@ class Faster:
                 and a.causal in self.causal and (self.gqa or a.h_q == a.h_kv))
 
 
-# Where cuDNN measured faster than flashjvp's Triton kernels (bf16; benchmarks/results/*/dispatch_table.md
-# and dispatch.md): the forward at every length and head dim measured (256 to 32768 tokens, D 64,
-# 72, 128, causal or not, cross attention), the backward everywhere but one case within 10%
-# (N1024 D64 causal). PyTorch's own SDPA picks cuDNN on these GPUs too. Re-measure with
-# `python benchmarks/dispatch_table.py`.
+# Where cuDNN takes the plain forward and backward (auto). Measured (bf16, benchmarks/results/*/dispatch_table.md
+# and dispatch.md): at head dim 64 from 256 to 8192 tokens cuDNN's forward is 1.06-1.28x and its
+# backward 1.05-1.55x faster than flashjvp's Triton kernels, except one backward (N1024 causal,
+# 0.92x); at D64/D128 from 4096 tokens both directions are 1.20-1.48x faster. Other head dims (40,
+# 72, 96, ...) follow without a table of their own yet; PyTorch's own SDPA picks cuDNN for them on
+# Hopper. Re-measure with `python benchmarks/dispatch_table.py`.
 CUDNN_FASTER: tuple[Faster, ...] = (Faster(head_dims=tuple(range(8, CUDNN_MAX_HEAD_DIM + 1, 8)), min_n_q=1, min_n_k=2),)
 
 
