@@ -35,6 +35,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def assert_trains(model, loss_of, lr: float, steps: int = 4) -> None:
+    """A few Adam steps on ``loss_of(model, float32)`` lower the loss."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_of(model, torch.float32)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+
+
 def test_import_flashjvp_imports_neither_library():
     code = ("import sys, flashjvp, flashjvp.integrations, flashjvp.distributed; "
             "bad = [m for m in ('diffusers', 'transformers') if m in sys.modules]; "
@@ -178,15 +191,7 @@ def test_transformers_llama_trains(llama):
         assert (p.grad is None) == (r.grad is None), name  # embed_tokens: inputs_embeds bypass it
         if r.grad is not None:
             assert_close_rel(p.grad, r.grad, rtol=1e-3, floor=1e-2 * largest)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        loss = loss_of(model, torch.float32)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0], losses
+    assert_trains(model, loss_of, lr=3e-3)
 
 
 def test_transformers_errors(llama):
@@ -328,15 +333,7 @@ def test_diffusers_dit_meanflow_trains(diffusers_mod):
     for p, q in zip(model.parameters(), ref.parameters()):
         if q.grad is not None:
             assert_close_rel(p.grad, q.grad, rtol=1e-3, floor=1e-2 * largest)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        loss = loss_of(model, torch.float32)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0], losses
+    assert_trains(model, loss_of, lr=1e-3)
 
 
 # --- diffusers context parallelism ---------------------------------------------------------------
