@@ -226,6 +226,22 @@ def test_diffusers_dit_backward(dit_cls):
     check_model_backward(model, dit_fn(model, 2), torch.randn(2, 4, 8, 8), n_attn=2)
 
 
+def test_diffusers_dit_compiled_under_patch_sdpa(dit_cls):
+    """torch.compile of a DiT step inside patch_sdpa, with the timestep computed in the compiled
+    region: it compiles (the mode's redispatch of F.* functions once made Dynamo fail with
+    "to() received ... dtype=torch.Size") and matches the eager model."""
+    torch._dynamo.reset()
+    model = make_dit(dit_cls)
+    x, t = torch.randn(2, 4, 8, 8), torch.rand(2)
+    labels = torch.arange(2) % 10
+    step = lambda x, t: model(x, timestep=1000 * t, class_labels=labels).sample  # noqa: E731
+    eager = step(x, t)
+    with patch_sdpa():
+        out = torch.compile(step)(x, t)
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+
+
 # --- GPU ---------------------------------------------------------------------------------------
 
 def _peak_mib(fn):

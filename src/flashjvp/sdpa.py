@@ -312,7 +312,9 @@ class _SDPAMode(TorchFunctionMode):
         if func is _torch_sdpa and (torch.compiler.is_compiling() or not _inside_sdpa.get()):
             return sdpa(*args, **kwargs)
         if _is_python_functional(func):
-            if _redispatch is not None:
+            # Dynamo mistraces the redispatch inside a re-entered mode (a compiled DiT failed with
+            # "to() received ... dtype=torch.Size"); the rebound copy traces as plain Python.
+            if _redispatch is not None and not torch.compiler.is_compiling():
                 with self:  # stay on for the calls inside, e.g. F.multi_head_attention_forward's SDPA
                     return _redispatch(func, types, args, kwargs)
             return _with_sdpa_rebound(func)(*args, **kwargs)
