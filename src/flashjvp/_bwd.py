@@ -309,7 +309,7 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
                lse.stride(), torch.backends.cuda.matmul.allow_tf32)
         plans = _PLANS.get(key)
         if plans is not None:  # the same launches as before: no argument to recompute
-            seqs = (lse,) * 4
+            seqs = aux_tensors(a, lse)
             with launch_device(q):
                 plans[0](q, k, v, o, do, lse, delta, dq, *seqs)
                 plans[1](q, k, v, do, lse, delta, dk, dv, *seqs)

@@ -431,7 +431,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     if plan is not None:  # the same launch as before: no argument to recompute
         with launch_device(q):
             plan(*_fwd_tensors((q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv),
-                               o, to, lse, mu, None, (lse,) * 4))
+                               o, to, lse, mu, None, aux_tensors(a, lse)))
         return o, to, lse, mu
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
     strides = all_seq_strides((q, k, v, tq, tk, tv, o, to), a)

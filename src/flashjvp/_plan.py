@@ -74,13 +74,11 @@ def plain_plan(q, k, v, causal, scale, layout, make_args, tag=None):
 def _make_plan(q, k, v, a: AttnArgs, grad: bool):
     if a.kv_lens is not None or a.window is not None or a.mask is not None or a.varlen is not None:
         return _NO_PLAN
-    if not (q.is_cuda or q.device.type == "cpu"):
-        return _NO_PLAN
-    if q.is_cuda and cudnn_ops() is not None and use_cudnn(q, k, v, a, backward=False) \
-            and (not grad or use_cudnn(q, k, v, a, backward=True)):
-        return _cudnn_plan(q, a, grad)
     if not q.is_cuda:  # the CPU paths (math reference, interpreter) gain nothing from a plan
         return _NO_PLAN
+    if cudnn_ops() is not None and use_cudnn(q, k, v, a, backward=False) \
+            and (not grad or use_cudnn(q, k, v, a, backward=True)):
+        return _cudnn_plan(q, a, grad)
     if grad:
         return lambda q, k, v: AttentionFunction.apply(q, k, v, a, False)[0]
     return lambda q, k, v: attn_fwd(q, k, v, None, None, None, a, need_lse=False)[0]

@@ -82,9 +82,6 @@ def _ref(q, k, v, tq, tk, tv, a: AttnArgs, *, jvp: bool):
     return attention_jvp_ref(q, k, v, tq, tk, tv, return_lse=True, **kw)
 
 
-# The kernel paths of ``attention`` and ``attention_jvp`` outside a graph: eager calls, and the
-# calls a compiled graph leaves to them (forward-mode AD, see _ops.py). Opaque to Dynamo, so that
-# a frame it falls back on never has the launchers' Python traced.
 def _single_jvp_level(stack: list) -> int | None:
     """The level of the one ``torch.func.jvp`` transform when it is the only transform active."""
     if len(stack) == 1 and stack[0].key() == TransformType.Jvp:
@@ -100,7 +97,7 @@ def _attention_at_jvp_level(q, k, v, a: AttnArgs, level: int) -> torch.Tensor:
     tangent. This is what functorch does for any ``autograd.Function`` with a ``jvp`` rule, less
     its generic machinery (a new Function class per call, pytree flattening, signature binding),
     which costs several times a short launch."""
-    unwrap = torch._C._functorch._unwrap_for_grad
+    unwrap, wrap = torch._C._functorch._unwrap_for_grad, torch._C._functorch._wrap_for_grad
     parts = [fwAD.unpack_dual(x) for x in (q, k, v)]
     q0, k0, v0 = (unwrap(p, level) for p, _ in parts)
     tq, tk, tv = (None if t is None else unwrap(t, level) for _, t in parts)
@@ -109,15 +106,17 @@ def _attention_at_jvp_level(q, k, v, a: AttnArgs, level: int) -> torch.Tensor:
         if tq is None and tk is None and tv is None:
             o = (AttentionFunction.apply(q0, k0, v0, a, False) if grad else
                  attn_fwd(q0, k0, v0, None, None, None, a, need_lse=False))[0]
-            return torch._C._functorch._wrap_for_grad(o, level)
+            return wrap(o, level)
         if grad:
             o, to, _, _ = AttentionJVPFunction.apply(q0, k0, v0, tq, tk, tv, a, True)
         else:
             o, to, _, _ = attn_fwd(q0, k0, v0, tq, tk, tv, a)
-    wrap = torch._C._functorch._wrap_for_grad
     return fwAD.make_dual(wrap(o, level), wrap(to, level))
 
 
+# The kernel paths of ``attention`` and ``attention_jvp`` outside a graph: eager calls, and the
+# calls a compiled graph leaves to them (forward-mode AD, see _ops.py). Opaque to Dynamo, so that
+# a frame it falls back on never has the launchers' Python traced.
 @torch.compiler.disable
 def _attention_kernels(q, k, v, a: AttnArgs) -> torch.Tensor:
     stack = _transforms()
