@@ -94,6 +94,19 @@ def with_tangents(fn, xs, ts, dtype):
     return torch.func.jvp(fn, xs, ts)
 
 
+def _expected(c, primal, tangent) -> dict:
+    """The outputs case ``c`` returns, from the reference's ``(o, lse)`` and their tangents."""
+    (o, lse), (to, mu) = primal, tangent
+    out = {"o": o}
+    if "jvp" in c["fn"] or c["tangents"] != "none":
+        out["to"] = to
+    if c["lse"]:
+        out["lse"] = lse.float()
+        if "to" in out:
+            out["mu"] = mu.float()
+    return out
+
+
 def compare(got: dict, truth: dict, lowp: dict, label: str = ""):
     assert set(got) == set(truth), f"{label}outputs {sorted(got)}, expected {sorted(truth)}"
     for name in truth:
@@ -222,15 +235,7 @@ def _dense_truth(c, xs, ts, kv_lens, mask, dtype):
         o, lse = softmax_attention(swap(q), swap(k), swap(v), vis, bias)
         return swap(o), lse
 
-    (o, lse), (to, mu) = with_tangents(fn, xs, ts, dtype)
-    out = {"o": o}
-    if "jvp" in c["fn"] or c["tangents"] != "none":
-        out["to"] = to
-    if c["lse"]:
-        out["lse"] = lse.float()
-        if "to" in out:
-            out["mu"] = mu.float()
-    return out
+    return _expected(c, *with_tangents(fn, xs, ts, dtype))
 
 
 def _dense_call(c, xs, ts, kv_lens, mask) -> dict:
@@ -310,15 +315,7 @@ def _varlen_truth(c, xs, ts, dtype):
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1)
 
-    (o, lse), (to, mu) = with_tangents(fn, xs, ts, dtype)
-    out = {"o": o}
-    if "jvp" in c["fn"] or c["tangents"] != "none":
-        out["to"] = to
-    if c["lse"]:
-        out["lse"] = lse.float()
-        if "to" in out:
-            out["mu"] = mu.float()
-    return out
+    return _expected(c, *with_tangents(fn, xs, ts, dtype))
 
 
 def _varlen_call(c, xs, ts, packed) -> dict:
