@@ -12,6 +12,7 @@ forward with grad) on its Triton kernels (``FLASHJVP_CUDNN=0``) and on PyTorch's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashjvp
 from flashjvp.bench import results_dir, run_metadata
@@ -27,7 +29,9 @@ from flashjvp.bench import results_dir, run_metadata
 SHAPES = [(b, h, n, n, d, c) for d in (64, 72, 128) for (b, h, n) in ((32, 16, 256), (8, 16, 1024), (2, 16, 4096),
                                                                       (1, 16, 8192)) for c in (False, True)]
 SHAPES += [(8, 16, 1024, 512, 72, False), (1, 40, 8192, 512, 128, False)]
-PROVIDERS = {"triton": "0", "cudnn": "1", "torch": None}
+# provider -> FLASHJVP_CUDNN for flashjvp, or PyTorch's SDPA backend (None: its default choice)
+PROVIDERS = {"triton": "0", "cudnn": "1", "torch": None, "flash": SDPBackend.FLASH_ATTENTION}
+FLASHJVP = ("triton", "cudnn")
 
 
 def _time(fn, quick: bool) -> float:
@@ -36,15 +40,18 @@ def _time(fn, quick: bool) -> float:
 
 def measure(shape, provider: str, quick: bool) -> dict:
     b, h, nq, nk, d, causal = shape
-    mode = PROVIDERS[provider]
-    if mode is not None:
-        os.environ["FLASHJVP_CUDNN"] = mode
+    if provider in FLASHJVP:
+        os.environ["FLASHJVP_CUDNN"] = PROVIDERS[provider]
     q = torch.randn(b, h, nq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, h, nk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    if provider == "torch":
-        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-    else:
+    if provider in FLASHJVP:
         fn = lambda q, k, v: flashjvp.attention(q, k, v, causal=causal)  # noqa: E731
+    else:
+        backend = PROVIDERS[provider]
+
+        def fn(q, k, v):
+            with contextlib.nullcontext() if backend is None else sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     with torch.no_grad():
         fwd = _time(lambda: fn(q, k, v), quick)
     leaves = [x.requires_grad_() for x in (q, k, v)]
@@ -64,16 +71,16 @@ def write_report(rows: list[dict], meta: dict, out: Path) -> None:
              f"{meta['date']}; torch {meta['torch']}, triton {meta['triton']}, bf16; `{meta['command']}`", "",
              "Median ms (`triton.testing.do_bench`). triton: flashjvp with FLASHJVP_CUDNN=0; cudnn: with "
              "FLASHJVP_CUDNN=1 (PyTorch's cuDNN attention operators); torch: F.scaled_dot_product_attention "
-             "with its default backend. Ratio: triton / cudnn.", "",
-             "| B | H | Nq | Nk | D | causal | fwd triton | fwd cudnn | fwd torch | fwd ratio "
-             "| bwd triton | bwd cudnn | bwd torch | bwd ratio |", "|" + "---|" * 14]
+             "with its default backend; flash: its flash backend. Ratio: triton / cudnn.", "",
+             "| B | H | Nq | Nk | D | causal | fwd triton | fwd cudnn | fwd torch | fwd flash | fwd ratio "
+             "| bwd triton | bwd cudnn | bwd torch | bwd flash | bwd ratio |", "|" + "---|" * 16]
     for r in rows:
         b, h, nq, nk, d, c = r["shape"]
         ratio = lambda k, r=r: (f"{r['triton_' + k] / r['cudnn_' + k]:.2f}"  # noqa: E731
                                 if "triton_" + k in r and "cudnn_" + k in r else "")
         lines.append(f"| {b} | {h} | {nq} | {nk} | {d} | {c} | {f(r, 'triton_fwd_ms')} | {f(r, 'cudnn_fwd_ms')} | "
-                     f"{f(r, 'torch_fwd_ms')} | {ratio('fwd_ms')} | {f(r, 'triton_bwd_ms')} | {f(r, 'cudnn_bwd_ms')} | "
-                     f"{f(r, 'torch_bwd_ms')} | {ratio('bwd_ms')} |")
+                     f"{f(r, 'torch_fwd_ms')} | {f(r, 'flash_fwd_ms')} | {ratio('fwd_ms')} | {f(r, 'triton_bwd_ms')} | "
+                     f"{f(r, 'cudnn_bwd_ms')} | {f(r, 'torch_bwd_ms')} | {f(r, 'flash_bwd_ms')} | {ratio('bwd_ms')} |")
     (out / "dispatch_table.md").write_text("\n".join(lines) + "\n")
 
 

@@ -44,12 +44,15 @@ def _compile(fn, fullgraph=False):
     return torch.compile(fn, backend=BACKEND, fullgraph=fullgraph)
 
 
-def _sdpa_traced(case, dtype) -> bool:
-    """Whether a compiled plain call of ``case`` is traced as PyTorch's SDPA (no flashjvp launch):
-    half precision on the GPU, no GQA, no bottom-right mask with Nq != Nk."""
+def _sdpa_traced(case, dtype, tensors) -> bool:
+    """Whether a compiled plain call of ``case`` on ``tensors`` is traced as PyTorch's SDPA (no
+    flashjvp launch): half precision on the GPU, no GQA, no bottom-right mask with Nq != Nk, each
+    tensor 16-byte aligned with unit stride along its last dim (the "sliced" memory kind is not)."""
     b, hq, hkv, nq, nk, dqk, dv, layout, causal = case
+    aligned = all(x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and all(s * x.element_size() % 16 == 0
+                                                                       for s in x.stride()[:-1]) for x in tensors)
     return (ON_GPU and dtype in (torch.float16, torch.bfloat16) and hq == hkv
-            and not (causal == "bottom_right" and nq != nk))
+            and not (causal == "bottom_right" and nq != nk) and aligned)
 
 
 def _check_jvp(o, to, xs, kw, dtype):
@@ -65,7 +68,7 @@ def test_compiled_forward_fullgraph(case, dtype):
     f = _compile(lambda q, k, v: flashjvp.attention(q, k, v, **kw), fullgraph=True)
     with LaunchLog() as log:
         o = f(*xs[:3])
-    assert log.count("_attn_fwd_kernel") == (0 if _sdpa_traced(case, dtype) else 1)
+    assert log.count("_attn_fwd_kernel") == (0 if _sdpa_traced(case, dtype, xs[:3]) else 1)
     truth, lowp = jvp_refs(*xs, **kw)
     assert_close("o", o, truth[0], lowp[0], dtype)
 
@@ -79,7 +82,7 @@ def test_compiled_training_step_fullgraph(case, dtype):
     f = _compile(lambda q, k, v: (flashjvp.attention(q, k, v, **kw) * do).sum(), fullgraph=True)
     with LaunchLog() as log:
         f(*leaves).backward()
-    n = 0 if _sdpa_traced(case, dtype) else 1
+    n = 0 if _sdpa_traced(case, dtype, leaves) else 1
     assert log.count("_attn_fwd_kernel") == n and log.count("_attn_bwd_dq_kernel") == n
     truth, lowp = grad_refs(*xs[:3], do, **kw)
     for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth, lowp):

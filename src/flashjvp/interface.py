@@ -140,13 +140,22 @@ def _attention_jvp_kernels(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
     return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True)  # mu: for the backward
 
 
-def _sdpa_expressible(q: torch.Tensor, a: AttnArgs) -> bool:
+def _sdpa_aligned(x: torch.Tensor) -> bool:
+    """Unit stride along the head dim and 16-byte aligned offset and strides (in elements of a
+    2-byte dtype): what Inductor's SDPA kernels assume of their inputs without copying them."""
+    return x.stride(-1) == 1 and x.storage_offset() % 8 == 0 and all(s % 8 == 0 for s in x.stride()[:-1])
+
+
+def _sdpa_expressible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs) -> bool:
     """Whether PyTorch's SDPA computes the call ``a`` as it is (no option it lacks, half precision
-    on the GPU, no GQA): under torch.compile such plain calls are traced as SDPA itself, so that
-    Inductor picks and fuses PyTorch's own backend and CUDA graphs capture it like SDPA."""
+    on the GPU, no GQA, aligned inputs): under torch.compile such plain calls are traced as SDPA
+    itself, so that Inductor picks and fuses PyTorch's own backend and CUDA graphs capture it like
+    SDPA. Misaligned inputs (a view at an odd offset) get flashjvp's operator: Inductor's compiled
+    SDPA returned wrong values for them."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and a.h_q == a.h_kv
             and a.kv_lens is None and a.window is None and a.mask is None and a.varlen is None
-            and (a.causal != "bottom_right" or a.n_q == a.n_k))
+            and (a.causal != "bottom_right" or a.n_q == a.n_k)
+            and _sdpa_aligned(q) and _sdpa_aligned(k) and _sdpa_aligned(v))
 
 
 def _attention(q, k, v, a: AttnArgs) -> torch.Tensor:
@@ -154,7 +163,7 @@ def _attention(q, k, v, a: AttnArgs) -> torch.Tensor:
     if not _use_kernels(q):
         return _ref(q, k, v, None, None, None, a, jvp=False)
     if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
-        if _sdpa_expressible(q, a):
+        if _sdpa_expressible(q, k, v, a):
             o = F.scaled_dot_product_attention(bhnd_view(q, a.layout), bhnd_view(k, a.layout),
                                                bhnd_view(v, a.layout), is_causal=a.causal is not None,
                                                scale=a.scale)
