@@ -18,6 +18,7 @@ import warnings
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 import flashjvp
 from flashjvp import _cudnn
@@ -223,14 +224,18 @@ def test_switch_through_attention(monkeypatch, case, mode, layout, dtype):
     q, k, v = make_qkv(b, hq, hkv, nq, nk, d, d, layout, dtype, kinds=KINDS, tangents=False)
     a = check_inputs(q, k, v, causal=causal, layout=layout)
     forced = {"0": False, "never": False, "1": True, "always": True}
-    auto = torch.backends.cuda.cudnn_sdp_enabled()
+    qb, kb, vb = (x if layout == "bhnd" else x.transpose(1, 2) for x in (q, k, v))
+    # auto: the backend PyTorch's SDPA picks; its flash operator directly, cuDNN where listed faster
+    want_flash = mode == "auto" and torch._fused_sdp_choice(qb, kb, vb, None, 0.0, causal) == SDPBackend.FLASH_ATTENTION
+    auto = torch.backends.cuda.cudnn_sdp_enabled() and not want_flash
     want_fwd = forced.get(mode, auto and listed_faster(dtype, a, backward=False))
     want_bwd = forced.get(mode, auto and listed_faster(dtype, a, backward=True))
     truth, lowp = fwd_refs(q, k, v, causal=causal, layout=layout)
     with LaunchLog() as log, torch.no_grad():
         o = flashjvp.attention(q, k, v, causal=causal, layout=layout)
     assert log.count("cudnn_sdpa_fwd", LSE=False) == int(want_fwd)  # no backward follows: inference kernel
-    assert (log.count("_attn_fwd_kernel") == 0) == want_fwd
+    assert log.count("torch_flash_fwd") == int(want_flash)
+    assert (log.count("_attn_fwd_kernel") == 0) == (want_fwd or want_flash)
     assert_close("o", o, truth[0], lowp[0], dtype)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     with LaunchLog() as log:
@@ -238,15 +243,36 @@ def test_switch_through_attention(monkeypatch, case, mode, layout, dtype):
         do = torch.randn_like(o)
         grads = torch.autograd.grad(o, leaves, do)
     assert log.count("cudnn_sdpa_fwd", LSE=True) == int(want_fwd)
-    assert (log.count("_attn_bwd_dq_kernel") == 0) == want_bwd
-    if want_fwd and want_bwd:  # the plain plan: PyTorch's operator, its backward recorded natively
+    assert (log.count("_attn_bwd_dq_kernel") == 0) == (want_bwd or want_flash)
+    if (want_fwd and want_bwd) or want_flash:  # the plain plan: PyTorch's operator, its backward recorded natively
         assert type(o.grad_fn).__name__ in ("ScaledDotProductCudnnAttentionBackward0", "CloneBackward0",
-                                            "TransposeBackward0"), o.grad_fn
+                                            "ScaledDotProductFlashAttentionBackward0", "TransposeBackward0"), o.grad_fn
     else:
         assert log.count("cudnn_sdpa_bwd") == int(want_bwd)
     assert_close("o", o, truth[0], lowp[0], dtype)
     check_grads(grads, q, k, v, do, dtype, causal=causal, layout=layout)
 
+
+
+@needs_cudnn
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(32, 16, 256, 72), (8, 16, 1024, 64), (2, 8, 999, 128), (4, 6, 333, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_auto_runs_pytorchs_own_backend(monkeypatch, shape, causal):
+    """FLASHJVP_CUDNN=auto: a plain flashjvp.sdpa call with grad records the same backward node as
+    F.scaled_dot_product_attention on the same tensors (the backend PyTorch picks, kernel for
+    kernel: a plain call is never slower than SDPA for a worse backend), with SDPA's output
+    strides and values."""
+    monkeypatch.setenv("FLASHJVP_CUDNN", "auto")
+    b, h, n, d = shape
+    qkv = torch.randn(b, n, 3, h, d, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)  # a DiT's packed projection: (B, H, N, D) views
+    ours = flashjvp.sdpa(q, k, v, is_causal=causal)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert type(ours.grad_fn).__name__ == type(theirs.grad_fn).__name__
+    assert ours.stride() == theirs.stride()
+    truth, lowp = fwd_refs(q, k, v, causal=causal, layout="bhnd")
+    assert_close("o", ours, truth[0], lowp[0], torch.bfloat16)
 
 
 @needs_cudnn
@@ -481,7 +507,7 @@ def test_predicate_rules(monkeypatch):
     device, the device, backend and stride checks are stubbed to pass."""
     monkeypatch.setattr(_cudnn, "_backend_ok", lambda: True)
     monkeypatch.setattr(_cudnn, "_arch_ok", lambda index: True)
-    monkeypatch.setattr(_cudnn, "_strides_ok", lambda x: True)
+    monkeypatch.setattr(_cudnn, "strides_ok", lambda x: True)
 
     class Cuda(torch.Tensor):
         @property
@@ -521,7 +547,7 @@ def test_predicate_rules(monkeypatch):
 
 
 def test_strides_rule():
-    ok = _cudnn._strides_ok
+    ok = _cudnn.strides_ok
     x = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16)
     assert ok(x) and ok(x.transpose(1, 2))
     assert ok(torch.randn(2, 5, 3, 4, 64, dtype=torch.bfloat16).unbind(2)[1])  # packed qkv

@@ -274,7 +274,7 @@ def _avoid_recompile() -> bool:
     return value.strip().lower() not in ("", "0", "false", "off", "no", "n")
 
 
-def _strides_ok(x: torch.Tensor) -> bool:
+def strides_ok(x: torch.Tensor) -> bool:
     """Unit-stride head dim, 16-byte aligned data and (B, H, N) strides, nothing broadcast, and
     an extent that fits in int32."""
     if x.stride(-1) != 1 or x.data_ptr() % 16:
@@ -297,7 +297,7 @@ _KNOWN_FIELDS = ("batch", "h_q", "h_kv", "n_q", "n_k", "d_qk", "d_v", "causal", 
 _OTHER_OPTIONS = tuple((f.name, f.default) for f in dataclasses.fields(AttnArgs) if f.name not in _KNOWN_FIELDS)
 
 
-def _no_other_option(a: AttnArgs) -> bool:
+def no_other_option(a: AttnArgs) -> bool:
     for name, default in _OTHER_OPTIONS:
         value = getattr(a, name)
         if value is not default and (isinstance(value, torch.Tensor) or value != default):
@@ -317,7 +317,7 @@ def cudnn_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnAr
     not deterministic)."""
     if not q.is_cuda or q.dtype not in CUDNN_DTYPES:
         return False
-    if a.kv_lens is not None or a.window is not None or a.varlen is not None or not _no_other_option(a):
+    if a.kv_lens is not None or a.window is not None or a.varlen is not None or not no_other_option(a):
         return False
     if a.d_qk != a.d_v or a.d_qk % CUDNN_HEAD_DIM_STEP or a.d_qk > CUDNN_MAX_HEAD_DIM:
         return False
@@ -330,7 +330,7 @@ def cudnn_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnAr
         return False
     if _avoid_recompile() or not _backend_ok() or not _arch_ok(q.device.index):
         return False
-    return _strides_ok(q) and _strides_ok(k) and _strides_ok(v)
+    return strides_ok(q) and strides_ok(k) and strides_ok(v)
 
 
 # --------------------------------------------------------------------------- policy

@@ -263,7 +263,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     """
     if attn_mask is None and type(dropout_p) in (int, float) and dropout_p == 0:  # plain calls: a cached plan
         plan = plain_plan(query, key, value, is_causal, scale, "bhnd",
-                          lambda: _plan_args(query, key, value, is_causal, scale, enable_gqa), tag=enable_gqa)
+                          lambda: _plan_args(query, key, value, is_causal, scale, enable_gqa), tag=enable_gqa,
+                          contiguous=False)
         if plan is not None and (out := plan(query, key, value)) is not None:
             return out
     route = _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
