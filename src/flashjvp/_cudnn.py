@@ -8,7 +8,8 @@ kernels. The launchers ask :func:`dispatch_fwd` / :func:`dispatch_bwd`, which re
 launcher's own result or ``None`` (run Triton).
 
 ``FLASHJVP_CUDNN`` (``_policy.cudnn_mode``, read at each call): ``auto`` (default) uses cuDNN
-where :func:`cudnn_supported` holds and a row of :data:`CUDNN_FASTER` lists the case as faster;
+where :func:`cudnn_supported` holds and a row of :data:`CUDNN_FASTER` lists the case as faster
+(eager plain calls that SDPA expresses follow PyTorch's own backend choice first, ``_plan.py``);
 ``1`` / ``always`` wherever it is supported; ``0`` / ``never`` not at all.
 
 The log-sum-exp, and why flashjvp's saved ``(o, lse)`` can feed cuDNN's backward exactly

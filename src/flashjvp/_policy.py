@@ -76,8 +76,9 @@ _CUDNN_MODES = {"auto": "auto", "": "auto", "0": "never", "never": "never", "1":
 
 
 def cudnn_mode() -> str:
-    """``FLASHJVP_CUDNN``, read at each call: ``"auto"`` (default: PyTorch's cuDNN attention for
-    the plain forward and backward where it is supported and listed faster, ``_cudnn.py``),
+    """``FLASHJVP_CUDNN``, read at each call: ``"auto"`` (default: eager plain calls run the
+    backend PyTorch's SDPA picks, ``_plan.py``; elsewhere PyTorch's cuDNN attention for the plain
+    forward and backward where it is supported and listed faster, ``_cudnn.py``),
     ``"never"`` (``0``) or ``"always"`` (``1``: wherever supported); case and surrounding spaces
     are ignored."""
     raw = env("FLASHJVP_CUDNN", "auto")
