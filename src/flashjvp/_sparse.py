@@ -13,6 +13,7 @@ the last key is listed as partial, so that full blocks load their keys unmasked.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -140,12 +141,23 @@ def _popcount(bits: torch.Tensor, where: torch.Tensor, block_m: int, rows: torch
     return int((per_row * live).sum())
 
 
+def _unwrapped(x: torch.Tensor) -> torch.Tensor:
+    """``x`` without the wrappers of ``torch.func`` levels (a plan first built inside a transform
+    outlives it, and the kernels read memory)."""
+    fn = torch._C._functorch
+    while fn.is_functorch_wrapped_tensor(x) and not fn.is_batchedtensor(x):
+        x = fn.get_unwrapped(x)
+    return x
+
+
 def plan_of(bm) -> SparsePlan:
     """``bm``'s plan, built on first use and kept on the mask object (a BlockMask's tensors are
     not changed in place by FlexAttention)."""
     plan = getattr(bm, "_flashjvp_plan", None)
     if plan is None:
         plan = build_plan(bm)
+        plan = dataclasses.replace(plan, row=_unwrapped(plan.row), col=_unwrapped(plan.col),
+                                   bits=_unwrapped(plan.bits))
         bm._flashjvp_plan = plan
     return plan
 
