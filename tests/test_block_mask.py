@@ -224,3 +224,19 @@ def test_errors():
         block_masks.document(torch.tensor([0.0, 3.0]))
     with pytest.raises(ValueError, match="^frame_len: expected an int >= 1"):
         block_masks.frame_causal(10, 0, device=DEVICE)
+
+
+def test_opcheck():
+    """The custom operators' contracts (schema, fake shapes, autograd registration) with a block mask."""
+    from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
+    from flashjvp._validate import check_inputs
+
+    n = 2 * BLOCK - 3
+    bm = block_masks.frame_causal(n, BLOCK // 2 + 1, device=DEVICE, block_size=BLOCK)
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 1, n, n, 16, 16, "bhnd", torch.float32, kinds=("contiguous",))
+    opts = options(check_inputs(q, k, v, allow_float64=False, block_mask=bm))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(attn_fwd_op, (*leaves, *opts), test_utils=("test_schema", "test_faketensor",
+                                                                      "test_autograd_registration"))
+    torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq, tk, tv, *opts),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -41,7 +41,7 @@ from flashjvp._validate import AttnArgs, check_inputs, varlen_args
 # bottom-right diagonal; a missing third entry means 0), for packed sequences cu_q, cu_k, max_q,
 # max_k (the tensors are then the (1, total, H, D) views), the attention mask (its
 # (B, Hq, Nq, Nk) view, or None), and a block mask as _sparse.SparsePlan's row, col and bits tensors
-# (or None) with its block sizes ([] or [block_m, block_n]).
+# with its block sizes [block_m, block_n] (all None without one: the defaults).
 def options(a: AttnArgs) -> tuple:
     """The operators' trailing arguments for the call ``a``."""
     vl, sp = a.varlen, a.sparse
@@ -49,11 +49,11 @@ def options(a: AttnArgs) -> tuple:
     return (a.causal, a.scale, a.layout, a.kv_lens, window,
             None if vl is None else vl.cu_q, None if vl is None else vl.cu_k,
             0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k, a.mask,
-            *((None, None, None, []) if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n])))
+            *((None, None, None, None) if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n])))
 
 
 def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q,
-          max_k, mask, sp_row, sp_col, sp_bits, sp_block) -> AttnArgs:
+          max_k, mask, sp_row=None, sp_col=None, sp_bits=None, sp_block=None) -> AttnArgs:
     align = None
     if window:
         align = "bottom_right" if len(window) > 2 and window[2] else "top_left"
@@ -80,8 +80,8 @@ def _lse_like(q: Tensor, a: AttnArgs) -> Tensor:
 def attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: str | None, scale: float, layout: str,
                 kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
                 max_q: int, max_k: int, mask: Tensor | None,
-                sp_row: Tensor | None, sp_col: Tensor | None, sp_bits: Tensor | None,
-                sp_block: list[int]) -> tuple[Tensor, Tensor]:
+                sp_row: Tensor | None = None, sp_col: Tensor | None = None, sp_bits: Tensor | None = None,
+                sp_block: list[int] | None = None) -> tuple[Tensor, Tensor]:
     """``(o, lse)``: o in ``layout`` (contiguous), lse (B, Hq, Nq) float32."""
     a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
               sp_row, sp_col, sp_bits, sp_block)
@@ -100,8 +100,8 @@ def attn_fwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tens
                     tv: Tensor | None, causal: str | None, scale: float, layout: str,
                     kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
                     max_q: int, max_k: int, mask: Tensor | None,
-                    sp_row: Tensor | None, sp_col: Tensor | None, sp_bits: Tensor | None,
-                    sp_block: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    sp_row: Tensor | None = None, sp_col: Tensor | None = None, sp_bits: Tensor | None = None,
+                    sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(o, to, lse, mu)`` of one fused launch; ``to`` and ``mu`` are zeros without tangents."""
     a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
               sp_row, sp_col, sp_bits, sp_block)
@@ -121,8 +121,9 @@ def _(q, k, v, tq, tk, tv, *opts):
 def attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                 causal: str | None, scale: float, layout: str, kv_lens: Tensor | None, window: list[int],
                 cu_q: Tensor | None, cu_k: Tensor | None, max_q: int, max_k: int,
-                mask: Tensor | None, sp_row: Tensor | None, sp_col: Tensor | None, sp_bits: Tensor | None,
-                sp_block: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+                mask: Tensor | None, sp_row: Tensor | None = None, sp_col: Tensor | None = None,
+                sp_bits: Tensor | None = None,
+                sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``, each with its input's shape and strides (``torch.empty_like``)."""
     a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
               sp_row, sp_col, sp_bits, sp_block)
@@ -140,8 +141,9 @@ def attn_bwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tens
                     dlse: Tensor | None, dmu: Tensor | None, causal: str | None, scale: float,
                     layout: str, kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None,
                     cu_k: Tensor | None, max_q: int, max_k: int,
-                    mask: Tensor | None, sp_row: Tensor | None, sp_col: Tensor | None, sp_bits: Tensor | None,
-                    sp_block: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    mask: Tensor | None, sp_row: Tensor | None = None, sp_col: Tensor | None = None,
+                sp_bits: Tensor | None = None,
+                    sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dtq, dtk, dtv)`` of ``fwd_jvp``; a tangent's gradient is an empty tensor
     when the tangent is None (an operator cannot return None)."""
     a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
