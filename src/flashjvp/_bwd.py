@@ -272,6 +272,8 @@ def _attn_bwd_dq_kernel(
     SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if SPARSE:  # last row blocks first: with causal-like masks they carry the most key blocks
+        pid_m = tl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     h_kv = (h // GROUPS).to(tl.int64)

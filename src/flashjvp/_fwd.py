@@ -254,6 +254,8 @@ def _attn_fwd_kernel(
         b32 = block // (n_mb * H_Q)
     else:
         pid_m = tl.program_id(0)
+        if SPARSE:  # last row blocks first: with causal-like masks they carry the most key blocks
+            pid_m = tl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
         h32 = tl.program_id(1)
         b32 = tl.program_id(2)
         part = -1  # a whole row block
