@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.forward_ad as fwAD
 
-from flashjvp._sparse import SparsePlan
+from flashjvp._policy import block_mask_tiles_ok, interpreting
+from flashjvp._sparse import SparsePlan, plan_of
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -214,10 +215,7 @@ def _check_mask(mask, q, shape: tuple[int, int, int, int], any_float: bool) -> t
 def _check_block_mask(block_mask, q, batch: int, h_q: int, n_q: int, n_k: int, others: dict) -> SparsePlan:
     """``block_mask`` (a FlexAttention ``BlockMask``) as the kernels read it (``_sparse.plan_of``:
     built once per mask and kept on it)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    from flashjvp._policy import block_mask_tiles_ok
-    from flashjvp._sparse import plan_of
+    from torch.nn.attention.flex_attention import BlockMask  # imported on first use: it costs import time
 
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask: expected a torch.nn.attention.flex_attention.BlockMask or None, "
@@ -238,8 +236,6 @@ def _check_block_mask(block_mask, q, batch: int, h_q: int, n_q: int, n_k: int, o
                          f"got {block_mask.kv_num_blocks.device}")
     block_m, block_n = block_mask.BLOCK_SIZE
     if not block_mask_tiles_ok(block_m, block_n):
-        from flashjvp._policy import interpreting
-
         step = 16 if interpreting() else 32
         raise ValueError(f"block_mask: BLOCK_SIZE {(block_m, block_n)} is not served: the kernels' tiles must "
                          f"divide the mask's blocks, so both sizes must be multiples of {step} (the default "
