@@ -26,6 +26,9 @@ from flashjvp._jit import (
     mask_bias,
     query_blocks,
     sequence,
+    sparse_bits,
+    sparse_list,
+    sparse_start,
     visible,
 )
 from flashjvp._launch import (
@@ -45,7 +48,8 @@ from flashjvp._launch import (
 from flashjvp._policy import BWD_TILES, head_blocks, length_bucket, prune_bwd_configs, tile_configs
 from flashjvp._validate import AttnArgs
 
-_BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK", "DOT_PREC"]
+_BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK", "DOT_PREC",
+            "SPARSE", "SP_BM", "SP_BN"]
 _EVEN_D = {
     "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
     "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
@@ -65,13 +69,19 @@ def _dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, s_qn, s_don,
     keys, kvalid, mask_dqk, mask_dv, lo, hi, n_q, off_r, off_l, scale_log2, mask_src, n_k, s_mm, s_mn,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
+    lst, bits, maxb, SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr, KEY_MASK: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over query blocks [lo, hi); MASKED applies the diagonal
-    bounds (``_jit.visible``, transposed), KEY_MASK the padding keys (``kvalid`` False)."""
+    bounds (``_jit.visible``, transposed), KEY_MASK the padding keys (``kvalid`` False). SPARSE:
+    [lo, hi) are virtual positions over the block list ``lst`` (as in the forward's key loop)."""
     offs_mb = tl.arange(0, BLOCK_M)
-    for start_m in range(lo, hi, BLOCK_M):
+    for pos in range(lo, hi, BLOCK_M):
+        start_m = pos
+        j = pos
+        if SPARSE:
+            start_m, j = sparse_start(lst, pos, SP_BM)
         rows = start_m + offs_mb  # (BLOCK_M,)
         rvalid = rows < n_q
         q = load_tile(q_ptrs + start_m * s_qn, rvalid, mask_dqk, True, not EVEN_DQK)  # (BLOCK_M, BLOCK_DQK)
@@ -87,6 +97,8 @@ def _dkdv_inner(
                 vis = vis & (keys[:, None] <= rows[None, :] + off_r)
             if LEFT:
                 vis = vis & (keys[:, None] >= rows[None, :] + off_l)
+            if SPARSE:
+                vis = vis & sparse_bits(bits, lst, j, rows, keys, maxb, SP_BM, SP_BN, True)  # (BLOCK_N, BLOCK_M)
             pt = tl.where(vis, pt, 0.0)
         if KEY_MASK:
             pt = tl.where(kvalid[:, None], pt, 0.0)
@@ -104,15 +116,16 @@ def _dkdv_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KV_LENS, CU_Q, CU_K, MASK,
+    Q, K, V, DO, LSE, DELTA, DK, DV, KV_LENS, CU_Q, CU_K, MASK, SP_ROW, SP_COL, SP_BITS,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_dob, s_doh, s_don, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, s_lb, s_lh,
-    s_mb, s_mh, s_mm, s_mn,
+    s_mb, s_mh, s_mm, s_mn, s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
     H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KV_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
+    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1).to(tl.int64)
@@ -166,20 +179,40 @@ def _attn_bwd_dkdv_kernel(
         do_ptrs = DO + b * s_dob + h * s_doh + tl.arange(0, BLOCK_M)[:, None] * s_don + offs_dv[None, :] * s_dod
         row_base = b * s_lb + h * s_lh + q0
         mask_src = MASK + b * s_mb + h * s_mh
-        if RIGHT:
+        lst = SP_COL  # the block list (SPARSE)
+        maxb = s_cn
+        if SPARSE:  # this key block's column of the block mask: full query blocks, then partial ones
+            lst, n_full, n_part, maxb = sparse_list(SP_COL, b, h, n0 // SP_BN, s_cb, s_ch, s_cn)
+            mid = n_full * SP_BM  # virtual positions: [0, mid) full blocks, [mid, end) partial ones
+            end = (n_full + n_part) * SP_BM
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                                 keys, kvalid, mask_dqk, mask_dv, lo, full_lo, n_q, off_r, off_l, scale_log2,
+                                 keys, kvalid, mask_dqk, mask_dv, 0, mid, n_q, off_r, off_l, scale_log2,
                                  mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                                 BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                             keys, kvalid, mask_dqk, mask_dv, full_lo, full_hi, n_q, off_r, off_l, scale_log2,
-                             mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                             BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
-        if LEFT or HAS_MASK:
+                                 lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                                 BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                                 keys, kvalid, mask_dqk, mask_dv, full_hi, hi, n_q, off_r, off_l, scale_log2,
+                                 keys, kvalid, mask_dqk, mask_dv, mid, end, n_q, off_r, off_l, scale_log2,
                                  mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                                 lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
                                  BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+        else:
+            if RIGHT:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
+                                     keys, kvalid, mask_dqk, mask_dv, lo, full_lo, n_q, off_r, off_l, scale_log2,
+                                     mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                                     lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                                     BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
+                                 keys, kvalid, mask_dqk, mask_dv, full_lo, full_hi, n_q, off_r, off_l, scale_log2,
+                                 mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                                 lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                                 BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+            if LEFT or HAS_MASK:
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
+                                     keys, kvalid, mask_dqk, mask_dv, full_hi, hi, n_q, off_r, off_l, scale_log2,
+                                     mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                                     lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                                     BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
     dk = dk * scale
     tl.store(DK + b * s_dkb + h_kv * s_dkh + keys[:, None] * s_dkn + offs_dqk[None, :] * s_dkd,
              dk.to(DK.dtype.element_ty), mask=kin[:, None] & mask_dqk[None, :])
@@ -192,11 +225,17 @@ def _dq_inner(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
     lo, hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
+    lst, bits, maxb, SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi)."""
-    for start_n in range(lo, hi, BLOCK_N):
+    """Accumulate dQ (unscaled) of one query block over key blocks [lo, hi) (SPARSE: virtual
+    positions over the block list ``lst``)."""
+    for pos in range(lo, hi, BLOCK_N):
+        start_n = pos
+        j = pos
+        if SPARSE:
+            start_n, j = sparse_start(lst, pos, SP_BN)
         keys = start_n + offs_n  # (BLOCK_N,)
         kvalid = keys < n_kv
         k = load_tile(k_ptrs + start_n * s_kn, kvalid, mask_dqk, MASKED, not EVEN_DQK)  # (BLOCK_N, BLOCK_DQK)
@@ -205,7 +244,10 @@ def _dq_inner(
             s += mask_bias(mask_src, rows, keys, n_q, n_kv, s_mm, s_mn, MASK_BOOL, MASK_ROWS) * LOG2E_K
         p = tl.math.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N)
         if MASKED:
-            p = tl.where(visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT), p, 0.0)
+            vis = visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT)  # (BLOCK_M, BLOCK_N)
+            if SPARSE:
+                vis = vis & sparse_bits(bits, lst, j, rows, keys, maxb, SP_BM, SP_BN, False)
+            p = tl.where(vis, p, 0.0)
         vt = load_tile(v_ptrs + start_n * s_vn, mask_dv, kvalid, not EVEN_DV, MASKED)  # (BLOCK_DV, BLOCK_N): V^T
         dp = tl.dot(do, vt, input_precision=DOT_PREC)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
@@ -218,17 +260,20 @@ def _dq_inner(
 @triton.heuristics(_EVEN_D)
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, DQ, KV_LENS, CU_Q, CU_K, MASK,
+    Q, K, V, O, DO, LSE, DELTA, DQ, KV_LENS, CU_Q, CU_K, MASK, SP_ROW, SP_COL, SP_BITS,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_ob, s_oh, s_on, s_od, s_dob, s_doh, s_don, s_dod, s_dqb, s_dqh, s_dqn, s_dqd, s_lb, s_lh,
-    s_mb, s_mh, s_mm, s_mn,
+    s_mb, s_mh, s_mm, s_mn, s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
     H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KV_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
+    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if SPARSE:  # last row blocks first: with causal-like masks they carry the most key blocks
+        pid_m = tl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     h_kv = (h // GROUPS).to(tl.int64)
@@ -273,20 +318,38 @@ def _attn_bwd_dq_kernel(
     v_ptrs = V + b * s_vb + h_kv * s_vh + offs_dv[:, None] * s_vd + offs_n[None, :] * s_vn
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
 
-    lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
     mask_src = MASK + b * s_mb + h * s_mh
-    if HAS_MASK:  # every block reads its tile of the mask
-        full_hi = full_lo
-    if LEFT:
+    lst = SP_ROW  # the block list (SPARSE)
+    maxb = s_rn
+    if SPARSE:  # this row block's list of the block mask: full key blocks, then partial ones
+        lst, n_full, n_part, maxb = sparse_list(SP_ROW, b, h, m0 // SP_BM, s_rb, s_rh, s_rn)
+        mid = n_full * SP_BN
+        end = (n_full + n_part) * SP_BN
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                       lo, full_lo, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
-                       HAS_MASK, MASK_BOOL, MASK_ROWS, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                   full_lo, full_hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
-                   HAS_MASK, MASK_BOOL, MASK_ROWS, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                   full_hi, hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
-                   HAS_MASK, MASK_BOOL, MASK_ROWS, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+                       0, mid, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                       HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                       BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                       mid, end, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                       HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                       BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+    else:
+        lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+        if HAS_MASK:  # every block reads its tile of the mask
+            full_hi = full_lo
+        if LEFT:
+            dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                           lo, full_lo, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                           HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                           BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                       full_lo, full_hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                       HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                           BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                       full_hi, hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                       HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                           BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = dq * scale
     tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqn + offs_dqk[None, :] * s_dqd,
              dq.to(DQ.dtype.element_ty), mask=rvalid[:, None] & mask_dqk[None, :])
@@ -304,7 +367,8 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     dq, dk, dv = buffer_like(q), buffer_like(k), buffer_like(v)
     delta = buffer_like(lse)
     key = None
-    if a.kv_lens is None and a.mask is None and a.varlen is None and q.is_cuda and aligned16(do, q, k, v, o, lse):
+    if a.kv_lens is None and a.mask is None and a.varlen is None and a.sparse is None and q.is_cuda \
+            and aligned16(do, q, k, v, o, lse):
         key = (a, q.dtype, q.device.index, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
                lse.stride(), torch.backends.cuda.matmul.allow_tf32)
         plans = _PLANS.get(key)
@@ -326,9 +390,9 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
     with launch_device(q):
-        _, plan_q = plan_tuned(_attn_bwd_dq_kernel, grid_q, 12, q, k, v, o, do, lse, delta, dq, *seqs,
+        _, plan_q = plan_tuned(_attn_bwd_dq_kernel, grid_q, 15, q, k, v, o, do, lse, delta, dq, *seqs,
                                *sq, *sk, *sv, *so, *sdo, *sdq, *sizes, **common)
-        _, plan_kv = plan_tuned(_attn_bwd_dkdv_kernel, grid_kv, 12, q, k, v, do, lse, delta, dk, dv, *seqs,
+        _, plan_kv = plan_tuned(_attn_bwd_dkdv_kernel, grid_kv, 15, q, k, v, do, lse, delta, dk, dv, *seqs,
                                 *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
     if key is not None and plan_q is not None and plan_kv is not None:
         _PLANS.put(key, (plan_q, plan_kv))

@@ -24,7 +24,19 @@ import triton
 import triton.language as tl
 
 from flashjvp._bwd import _lse_log2
-from flashjvp._jit import LOG2E, LOG2E_K, diagonals, key_blocks, mask_bias, query_blocks, sequence, visible
+from flashjvp._jit import (
+    LOG2E,
+    LOG2E_K,
+    diagonals,
+    key_blocks,
+    mask_bias,
+    query_blocks,
+    sequence,
+    sparse_bits,
+    sparse_list,
+    sparse_start,
+    visible,
+)
 from flashjvp._launch import (
     aux_tensors,
     dot_precision,
@@ -38,7 +50,7 @@ from flashjvp._policy import BWD_JVP_TILES, head_blocks, length_bucket, prune_bw
 from flashjvp._validate import AttnArgs, bhnd_view
 
 _KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK", "DOT_PREC",
-        "HAS_TQ", "HAS_TK", "HAS_TV", "HAS_DO", "HAS_DTO"]
+        "HAS_TQ", "HAS_TK", "HAS_TV", "HAS_DO", "HAS_DTO", "SPARSE", "SP_BM", "SP_BN"]
 
 
 @triton.jit
@@ -96,13 +108,14 @@ def _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv,
 @triton.jit
 def _attn_bwd_jvp_dq_kernel(
     Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ, KV_LENS, CU_Q, CU_K, MASK,
-    s_mb, s_mh, s_mm, s_mn,
+    SP_ROW, SP_COL, SP_BITS, s_mb, s_mh, s_mm, s_mn, s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
     H_Q, GROUPS, N_Q, N_K, NQ_T, NK_T, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
     HAS_DTO: tl.constexpr, HAS_KV_LENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
+    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
 ):
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     pid_m = tl.program_id(0)
@@ -159,7 +172,17 @@ def _attn_bwd_jvp_dq_kernel(
     dtq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
     lo, _, _, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)  # every block masked
     mask_src = MASK + b * s_mb + h * s_mh
-    for start_n in range(lo, hi, BLOCK_N):
+    lst = SP_ROW  # SPARSE: the block list of this row block, every listed block masked
+    maxb = s_rn
+    if SPARSE:
+        lst, n_full, n_part, maxb = sparse_list(SP_ROW, b, h, m0 // SP_BM, s_rb, s_rh, s_rn)
+        lo = 0
+        hi = (n_full + n_part) * SP_BN
+    for pos in range(lo, hi, BLOCK_N):
+        start_n = pos
+        j = pos
+        if SPARSE:
+            start_n, j = sparse_start(lst, pos, SP_BN)
         keys = start_n + offs_n  # (BLOCK_N,)
         k = _tile(K + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
         v = _tile(V + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
@@ -168,6 +191,8 @@ def _attn_bwd_jvp_dq_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
         p = _probs(s, lse2, rows, keys, n_q, n_kv, off_r, off_l, mask_src, s_mm, s_mn, RIGHT, LEFT,
                    HAS_MASK, MASK_BOOL, MASK_ROWS)
+        if SPARSE:
+            p = tl.where(sparse_bits(SP_BITS, lst, j, rows, keys, maxb, SP_BM, SP_BN, False), p, 0.0)
         if HAS_TK:
             tk = _tile(TK + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
         ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
@@ -192,13 +217,14 @@ def _attn_bwd_jvp_dq_kernel(
 @triton.jit
 def _attn_bwd_jvp_dkdv_kernel(
     Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV, KV_LENS, CU_Q, CU_K, MASK,
-    s_mb, s_mh, s_mm, s_mn,
+    SP_ROW, SP_COL, SP_BITS, s_mb, s_mh, s_mm, s_mn, s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
     H_Q, GROUPS, N_Q, N_K, NQ_T, NK_T, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, HAS_DO: tl.constexpr,
     HAS_DTO: tl.constexpr, HAS_KV_LENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
+    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
 ):
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
     pid_n = tl.program_id(0)
@@ -238,7 +264,19 @@ def _attn_bwd_jvp_dkdv_kernel(
         q_base = (bh * NQ_T + q0) * D_QK
         o_base = (bh * NQ_T + q0) * D_V
         mask_src = MASK + b * s_mb + (h_kv * GROUPS + gi) * s_mh
-        for start_m in range(lo, hi, BLOCK_M):
+        lst = SP_COL  # SPARSE: this key block's column of the block mask, every listed block masked
+        maxb = s_cn
+        m_lo = lo
+        m_hi = hi
+        if SPARSE:
+            lst, n_full, n_part, maxb = sparse_list(SP_COL, b, h_kv * GROUPS + gi, n0 // SP_BN, s_cb, s_ch, s_cn)
+            m_lo = lo * 0
+            m_hi = (n_full + n_part) * SP_BM
+        for pos in range(m_lo, m_hi, BLOCK_M):
+            start_m = pos
+            j = pos
+            if SPARSE:
+                start_m, j = sparse_start(lst, pos, SP_BM)
             rows = start_m + offs_m  # (BLOCK_M,)
             rvalid = rows < n_q
             idx = bh * NQ_T + q0 + rows
@@ -247,6 +285,8 @@ def _attn_bwd_jvp_dkdv_kernel(
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
             p = _probs(s, lse2, rows, keys, n_q, n_kv, off_r, off_l, mask_src, s_mm, s_mn, RIGHT, LEFT,
                        HAS_MASK, MASK_BOOL, MASK_ROWS)
+            if SPARSE:
+                p = tl.where(sparse_bits(SP_BITS, lst, j, rows, keys, maxb, SP_BM, SP_BN, False), p, 0.0)
             tq = q
             if HAS_TQ:
                 tq = _tile(TQ + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)

@@ -31,6 +31,9 @@ from flashjvp._jit import (
     load_tile,
     mask_bias,
     sequence,
+    sparse_bits,
+    sparse_list,
+    sparse_start,
     visible,
 )
 from flashjvp._launch import (
@@ -140,6 +143,7 @@ def _fwd_inner(
     k_src, v_src, tk_src, tv_src, stride_kn, stride_vn, stride_tkn, stride_tvn,
     rows, offs_n, mask_dqk, mask_dv, lo, hi, n_kv, off_r, off_l, scale_log2, scale, b, h_kv,
     mask_src, n_q, s_mm, s_mn, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
+    lst, bits, maxb, SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr,
     HAS_TQ: tl.constexpr, HAS_TK: tl.constexpr, HAS_TV: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -147,7 +151,9 @@ def _fwd_inner(
 ):
     """Fold key blocks [lo, hi) into the running state; MASKED blocks apply the key count
     ``n_kv``, the diagonal bounds (``_jit.visible``) and an attention mask (HAS_MASK: at
-    ``mask_src``, added to the logits) to the query rows ``rows``. With TMA the
+    ``mask_src``, added to the logits) to the query rows ``rows``. SPARSE: [lo, hi) are virtual
+    positions over the block list ``lst`` (``_jit.sparse_start``), whose partial blocks MASKED
+    loops mask with their bitmask tiles at ``bits``. With TMA the
     K/V sources are host-made tensor descriptors read at (``b``, ``h_kv``; zero-filled out of
     bounds), else pointers."""
     HAS_TS: tl.constexpr = HAS_TQ or HAS_TK
@@ -155,7 +161,11 @@ def _fwd_inner(
     # waits for a dot at once unless it only feeds a loop-carried accumulator). Not for 16-wide
     # head blocks: there Triton 3.6 compiled that order to an illegal memory access on sm_90.
     EARLY_TS: tl.constexpr = q.shape[1] >= 32
-    for start_n in range(lo, hi, BLOCK_N):
+    for pos in range(lo, hi, BLOCK_N):
+        start_n = pos
+        j = pos
+        if SPARSE:
+            start_n, j = sparse_start(lst, pos, SP_BN)
         keys = start_n + offs_n  # (BLOCK_N,)
         kvalid = keys < n_kv  # (BLOCK_N,)
         k = _load_kv(k_src, start_n, stride_kn, mask_dqk, kvalid, b, h_kv, not EVEN_DQK, MASKED,
@@ -167,7 +177,10 @@ def _fwd_inner(
         if MASKED:
             if HAS_MASK:  # the bias in units of the unscaled logits (scale > 0)
                 s += mask_bias(mask_src, rows, keys, n_q, n_kv, s_mm, s_mn, MASK_BOOL, MASK_ROWS) / scale
-            s = tl.where(visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT), s, float("-inf"))
+            vis = visible(rows, keys, n_kv, off_r, off_l, RIGHT, LEFT)  # (BLOCK_M, BLOCK_N)
+            if SPARSE:
+                vis = vis & sparse_bits(bits, lst, j, rows, keys, maxb, SP_BM, SP_BN, False)
+            s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # (BLOCK_M,), log2 units (scale > 0)
         m_use = m_new
         if MASKED:
@@ -207,7 +220,7 @@ def _lse(m_i, l_i):
 
 
 _FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK",
-            "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"]
+            "SPARSE", "SP_BM", "SP_BN", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"]
 
 
 @triton.autotune(configs=tile_configs(FWD_TILES), key=_FWD_KEY,
@@ -218,10 +231,11 @@ _FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT"
 })
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP, KV_LENS, CU_Q, CU_K, MASK,
+    Q, K, V, TQ, TK, TV, O, TO, LSE, MU, OP, TOP, LSEP, MUP, KV_LENS, CU_Q, CU_K, MASK, SP_ROW, SP_COL, SP_BITS,
     s_qb, s_qh, s_qn, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
     s_tqb, s_tqh, s_tqn, s_tqd, s_tkb, s_tkh, s_tkn, s_tkd, s_tvb, s_tvh, s_tvn, s_tvd,
     s_ob, s_oh, s_on, s_od, s_tob, s_toh, s_ton, s_tod, s_lb, s_lh, s_mb, s_mh, s_mm, s_mn,
+    s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
     BATCH, H_Q, GROUPS, N_Q, N_K, bottom_right, win_r, win_l, scale_log2, scale, SLOTS, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, KEY_TAIL: tl.constexpr,
@@ -230,6 +244,7 @@ def _attn_fwd_kernel(
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_KV_LENS: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
+    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
 ):
     if SPLIT:  # a 1-D grid: row blocks in (batch, head, block) order, then the key shards (_split.py)
         n_mb = tl.cdiv(N_Q, BLOCK_M)
@@ -239,6 +254,8 @@ def _attn_fwd_kernel(
         b32 = block // (n_mb * H_Q)
     else:
         pid_m = tl.program_id(0)
+        if SPARSE:  # last row blocks first: with causal-like masks they carry the most key blocks
+            pid_m = tl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
         h32 = tl.program_id(1)
         b32 = tl.program_id(2)
         part = -1  # a whole row block
@@ -307,40 +324,60 @@ def _attn_fwd_kernel(
     acc_o = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     acc_t = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # Key blocks every row of this block sees completely run unmasked; the rest are masked. The
-    # masked loops are compiled only where they can run: a window's left edge (LEFT), causality or
-    # a window's right edge (RIGHT), a partial last key block (KEY_TAIL).
-    tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
-    lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
     mask_src = MASK + b * s_mb + h * s_mh
-    if HAS_MASK:  # every block reads its tile of the mask
-        full_hi = full_lo
-    if SPLIT:  # this program's shard of the key blocks: [lo, hi) (never with RIGHT or LEFT)
-        per_shard = tl.cdiv(tl.cdiv(hi, BLOCK_N), shards) * BLOCK_N  # keys, a multiple of BLOCK_N
-        lo = shard * per_shard
-        hi = tl.minimum(hi, lo + per_shard)
-        full_lo = lo
-        full_hi = tl.minimum(tl.maximum(full_hi, lo), hi)
-    if LEFT:
+    lst = SP_ROW  # the block list (SPARSE)
+    maxb = s_rn
+    if SPARSE:  # this row block's list of the block mask: its full blocks unmasked, then the partial ones
+        tl.static_assert(SP_BM % BLOCK_M == 0 and SP_BN % BLOCK_N == 0, "the tiles divide the mask's blocks")
+        lst, n_full, n_part, maxb = sparse_list(SP_ROW, b, h, m0 // SP_BM, s_rb, s_rh, s_rn)
+        mid = n_full * SP_BN  # virtual positions: [0, mid) full blocks, [mid, end) partial ones
+        end = (n_full + n_part) * SP_BN
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, lo, full_lo, n_kv, off_r, off_l,
+            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, 0, mid, n_kv, off_r, off_l,
             scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-            BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+            lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
-    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_lo, full_hi, n_kv, off_r, off_l,
-        scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-        BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
-        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
-    if RIGHT or KEY_TAIL or HAS_MASK:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_hi, hi, n_kv, off_r, off_l,
+            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, mid, end, n_kv, off_r, off_l,
             scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-            BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+            lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+    else:
+        # Key blocks every row of this block sees completely run unmasked; the rest are masked. The
+        # masked loops are compiled only where they can run: a window's left edge (LEFT), causality or
+        # a window's right edge (RIGHT), a partial last key block (KEY_TAIL).
+        tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
+        lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+        if HAS_MASK:  # every block reads its tile of the mask
+            full_hi = full_lo
+        if SPLIT:  # this program's shard of the key blocks: [lo, hi) (never with RIGHT or LEFT)
+            per_shard = tl.cdiv(tl.cdiv(hi, BLOCK_N), shards) * BLOCK_N  # keys, a multiple of BLOCK_N
+            lo = shard * per_shard
+            hi = tl.minimum(hi, lo + per_shard)
+            full_lo = lo
+            full_hi = tl.minimum(tl.maximum(full_hi, lo), hi)
+        if LEFT:
+            acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+                acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+                s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, lo, full_lo, n_kv, off_r, off_l,
+                scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+                HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+        acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+            acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_lo, full_hi, n_kv, off_r, off_l,
+            scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+            lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+        if RIGHT or KEY_TAIL or HAS_MASK:
+            acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+                acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+                s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_hi, hi, n_kv, off_r, off_l,
+                scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+                HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -387,7 +424,7 @@ def _scratch_args(scratch, o, lse):
 
 # Launch plans of the forward (_launch.Launcher) by call signature: see _plan_key.
 _PLANS = PlanCache()
-_N_TENSORS = 18  # Q ... MASK: the kernel's leading tensor arguments
+_N_TENSORS = 21  # Q ... SP_BITS: the kernel's leading tensor arguments
 
 
 def _plan_key(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool):
@@ -395,7 +432,8 @@ def _plan_key(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool):
     without tensor options (kv_lens, mask, packed batch: their tensors are read from ``a``): the
     call's sizes and options, every input's strides, 16-byte alignment, the dtype, the device and
     the switches the launch reads. None where no plan is kept."""
-    if a.kv_lens is not None or a.mask is not None or a.varlen is not None or not q.is_cuda \
+    if a.kv_lens is not None or a.mask is not None or a.varlen is not None or a.sparse is not None \
+            or not q.is_cuda \
             or not aligned16(q, k, v, tq, tk, tv):
         return None
     st = lambda x: None if x is None else x.stride()  # noqa: E731
@@ -404,7 +442,7 @@ def _plan_key(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool):
 
 
 def _fwd_tensors(inputs, o, to, lse, mu, scratch, aux):
-    """The kernel's leading tensor arguments, Q ... MASK (stand-ins where absent, never read)."""
+    """The kernel's leading tensor arguments, Q ... SP_BITS (stand-ins where absent, never read)."""
     return (*inputs, o, o if to is None else to, lse, lse if mu is None else mu,
             *_scratch_args(scratch, o, lse), *aux)
 
@@ -447,7 +485,8 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     inputs = [q, *kv, q if tq is None else tq] + [p if t is None else arg(t) for p, t in zip(kv, (tk, tv))]
     # tail splitting (_split.py): a 1-D grid whose last programs are key shards of the last wave
     k_bucket = length_bucket(a.n_k)  # autotune key and split policy
-    bounded = a.causal is not None or a.window is not None or a.varlen is not None or a.mask is not None
+    bounded = (a.causal is not None or a.window is not None or a.varlen is not None or a.mask is not None
+               or a.sparse is not None)
     slots = split_slots(q, causal=bounded, n_k_bucket=k_bucket)  # not where row blocks differ in work
     n_blocks = lambda bm: triton.cdiv(a.n_q, bm) * a.h_q * a.batch  # noqa: E731
     scratch = (split_scratch(slots, bdv, jvp, q.device, {bm: n_blocks(bm) for bm in BLOCK_MS}, a.n_k)

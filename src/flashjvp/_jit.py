@@ -147,3 +147,43 @@ def mask_bias(base, rows, keys, n_q, n_k, s_mm, s_mn, MASK_BOOL: tl.constexpr, M
     if not MASK_ROWS:
         x = tl.broadcast_to(x, [rows.shape[0], keys.shape[0]])
     return x
+
+
+@triton.jit
+def sparse_start(lst, pos, SP_B: tl.constexpr):
+    """Block-sparse iteration (``_sparse.SparsePlan``): the loops of a program run over
+    virtual positions ``pos`` (multiples of the tile, ``SP_B`` per listed block); entry ``j``
+    of the block list ``lst`` names the mask block. Returns ``(start, j)``: the first row or
+    key of the tile in the sequence, and the entry."""
+    j = pos // SP_B
+    return tl.load(lst + 2 + j) * SP_B + pos % SP_B, j
+
+
+@triton.jit
+def sparse_bits(BITS, lst, j, rows, keys, maxb, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """Which (row, key) pairs of list entry ``j`` are visible: its partial block's bitmask tile
+    (all True for a full block, slot -1), (len(rows), len(keys)) bool, or (len(keys), len(rows))
+    when TRANSPOSED."""
+    WORDS: tl.constexpr = (SP_BN + 31) // 32
+    slot = tl.load(lst + 2 + maxb + j)
+    base = BITS + slot.to(tl.int64) * (SP_BM * WORDS)
+    r = rows % SP_BM
+    c = keys % SP_BN
+    listed = slot >= 0
+    if TRANSPOSED:
+        offs = r[None, :] * WORDS + (c // 32)[:, None]  # (len(keys), len(rows))
+        w = tl.load(base + offs, mask=(offs >= 0) & listed, other=-1)
+        vis = ((w >> (c % 32)[:, None]) & 1) != 0
+    else:
+        offs = r[:, None] * WORDS + (c // 32)[None, :]  # (len(rows), len(keys))
+        w = tl.load(base + offs, mask=(offs >= 0) & listed, other=-1)
+        vis = ((w >> (c % 32)[None, :]) & 1) != 0
+    return vis
+
+
+@triton.jit
+def sparse_list(LIST, b, h, blk, s_b, s_h, s_n):
+    """``(lst, n_full, n_partial, maxb)``: the block list of (``b``, ``h``, block ``blk``)."""
+    lst = LIST + b * s_b + h * s_h + blk * s_n
+    return lst, tl.load(lst), tl.load(lst + 1), (s_n - 2) // 2

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from flashjvp._policy import poisoning
+from flashjvp._sparse import list_strides
 
 try:  # the launcher interface of compiled kernels that Launcher calls (Triton 3.4 and later)
     from triton import knobs as _knobs
@@ -226,36 +227,48 @@ def all_seq_strides(xs, a) -> list[tuple[int, int, int, int]]:
 # shared, not rebuilt per launch; the launchers only read them)
 _PLAIN_MASKS = {c: ((int(c == "bottom_right"), 0, 0),
                     dict(RIGHT=c is not None, LEFT=False, VARLEN=False, HAS_MASK=False, MASK_BOOL=False,
-                         MASK_ROWS=False))
+                         MASK_ROWS=False, SPARSE=False, SP_BM=0, SP_BN=0))
                 for c in (None, "top_left", "bottom_right")}
 
 
 def mask_args(a) -> tuple[tuple[int, int, int], dict]:
     """The kernels' runtime masking arguments ``(bottom_right, win_r, win_l)`` and their flags:
     RIGHT (causal or a window's right side), LEFT (a window's left side), VARLEN, and for an
-    attention mask HAS_MASK, MASK_BOOL and MASK_ROWS (whether it differs between query rows)."""
-    if a.window is None and a.varlen is None and a.mask is None:
+    attention mask HAS_MASK, MASK_BOOL and MASK_ROWS (whether it differs between query rows), and
+    for a block mask SPARSE with its block sizes SP_BM, SP_BN (``_sparse.SparsePlan``)."""
+    if a.window is None and a.varlen is None and a.mask is None and a.sparse is None:
         return _PLAIN_MASKS[a.causal]
     right, left = a.window_right, a.window_left
     m = a.mask
     flags = dict(RIGHT=right >= 0, LEFT=left >= 0, VARLEN=a.varlen is not None, HAS_MASK=m is not None,
                  MASK_BOOL=m is not None and m.dtype == torch.bool,
-                 MASK_ROWS=m is not None and m.stride(2) != 0)
+                 MASK_ROWS=m is not None and m.stride(2) != 0, SPARSE=a.sparse is not None,
+                 SP_BM=0 if a.sparse is None else a.sparse.block_m, SP_BN=0 if a.sparse is None else a.sparse.block_n)
     return (int(a.diagonal == "bottom_right"), max(right, 0), max(left, 0)), flags
 
 
-def aux_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernels' KV_LENS, CU_Q, CU_K and MASK pointers (``stand_in`` where absent: never read)."""
+def aux_tensors(a, stand_in: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' KV_LENS, CU_Q, CU_K, MASK, SP_ROW, SP_COL and SP_BITS pointers (``stand_in``
+    where absent: never read)."""
     kv = stand_in if a.kv_lens is None else a.kv_lens
     mask = stand_in if a.mask is None else a.mask.view(torch.uint8) if a.mask.dtype == torch.bool else a.mask
+    sp = (stand_in,) * 3 if a.sparse is None else (a.sparse.row, a.sparse.col, a.sparse.bits)
     if a.varlen is None:
-        return kv, stand_in, stand_in, mask
-    return kv, a.varlen.cu_q, a.varlen.cu_k, mask
+        return kv, stand_in, stand_in, mask, *sp
+    return kv, a.varlen.cu_q, a.varlen.cu_k, mask, *sp
 
 
-def mask_strides(a) -> tuple[int, int, int, int]:
-    """(batch, head, query, key) strides of the attention mask (0 along broadcast dims)."""
-    return (0, 0, 0, 0) if a.mask is None else a.mask.stride()
+_NO_MASK_STRIDES = (0,) * 10
+
+
+def mask_strides(a) -> tuple[int, ...]:
+    """(batch, head, query, key) strides of the attention mask (0 along broadcast dims), then the
+    (batch, head, block) strides of the block mask's row and column lists (``_sparse``)."""
+    if a.mask is None and a.sparse is None:
+        return _NO_MASK_STRIDES
+    m = (0, 0, 0, 0) if a.mask is None else a.mask.stride()
+    sp = (0,) * 6 if a.sparse is None else (*list_strides(a.sparse.row), *list_strides(a.sparse.col))
+    return (*m, *sp)
 
 
 def strides_bhnd(x: torch.Tensor | None, layout: str) -> tuple[int, int, int, int]:

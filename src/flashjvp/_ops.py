@@ -32,30 +32,37 @@ from flashjvp._bwd import attn_bwd
 from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
 from flashjvp._launch import out_buffer, stat_buffer
+from flashjvp._sparse import SparsePlan
 from flashjvp._validate import AttnArgs, check_inputs, varlen_args
 
 
 # Every operator ends with the call's options, ``options(a)``: causal, scale, layout, kv_lens,
 # window ([] or [left, right, bottom_right], bottom_right 1 where the window is measured from the
 # bottom-right diagonal; a missing third entry means 0), for packed sequences cu_q, cu_k, max_q,
-# max_k (the tensors are then the (1, total, H, D) views), and the attention mask (its
-# (B, Hq, Nq, Nk) view, or None).
+# max_k (the tensors are then the (1, total, H, D) views), the attention mask (its
+# (B, Hq, Nq, Nk) view, or None), and a block mask as _sparse.SparsePlan's row, col and bits tensors
+# with its block sizes [block_m, block_n] (all None without one: the defaults).
 def options(a: AttnArgs) -> tuple:
     """The operators' trailing arguments for the call ``a``."""
-    vl = a.varlen
+    vl, sp = a.varlen, a.sparse
     window = [] if a.window is None else [*a.window, int(a.diagonal == "bottom_right")]
     return (a.causal, a.scale, a.layout, a.kv_lens, window,
             None if vl is None else vl.cu_q, None if vl is None else vl.cu_k,
-            0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k, a.mask)
+            0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k, a.mask,
+            *((None, None, None, None) if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n])))
 
 
 def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q,
-          max_k, mask) -> AttnArgs:
+          max_k, mask, sp_row=None, sp_col=None, sp_bits=None, sp_block=None) -> AttnArgs:
     align = None
     if window:
         align = "bottom_right" if len(window) > 2 and window[2] else "top_left"
+    sparse = None
+    if sp_row is not None:
+        seq = 2 if layout == "bhnd" else 1
+        sparse = SparsePlan(sp_row, sp_col, sp_bits, sp_block[0], sp_block[1], 0.0, q.shape[seq], k.shape[seq])
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
-                     window=tuple(window[:2]) if window else None, attn_mask=mask, align=align)
+                     window=tuple(window[:2]) if window else None, attn_mask=mask, align=align, sparse=sparse)
     if cu_q is not None:  # checked by the public function: no device-to-host copy here
         a = varlen_args(a, q.device, cu_q, cu_k, max_q, max_k, check_values=False)
     return a
@@ -72,9 +79,12 @@ def _lse_like(q: Tensor, a: AttnArgs) -> Tensor:
 @torch.library.custom_op("flashjvp::fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: str | None, scale: float, layout: str,
                 kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
-                max_q: int, max_k: int, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+                max_q: int, max_k: int, mask: Tensor | None,
+                sp_row: Tensor | None = None, sp_col: Tensor | None = None, sp_bits: Tensor | None = None,
+                sp_block: list[int] | None = None) -> tuple[Tensor, Tensor]:
     """``(o, lse)``: o in ``layout`` (contiguous), lse (B, Hq, Nq) float32."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
+              sp_row, sp_col, sp_bits, sp_block)
     o, _, lse, _ = attn_fwd(q, k, v, None, None, None, a)
     return o, lse
 
@@ -89,9 +99,12 @@ def _(q, k, v, *opts):
 def attn_fwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
                     tv: Tensor | None, causal: str | None, scale: float, layout: str,
                     kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
-                    max_q: int, max_k: int, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    max_q: int, max_k: int, mask: Tensor | None,
+                    sp_row: Tensor | None = None, sp_col: Tensor | None = None, sp_bits: Tensor | None = None,
+                    sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(o, to, lse, mu)`` of one fused launch; ``to`` and ``mu`` are zeros without tangents."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
+              sp_row, sp_col, sp_bits, sp_block)
     o, to, lse, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=True)
     if to is None:
         to, mu = torch.zeros_like(o), torch.zeros_like(lse)
@@ -108,9 +121,12 @@ def _(q, k, v, tq, tk, tv, *opts):
 def attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                 causal: str | None, scale: float, layout: str, kv_lens: Tensor | None, window: list[int],
                 cu_q: Tensor | None, cu_k: Tensor | None, max_q: int, max_k: int,
-                mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                mask: Tensor | None, sp_row: Tensor | None = None, sp_col: Tensor | None = None,
+                sp_bits: Tensor | None = None,
+                sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)``, each with its input's shape and strides (``torch.empty_like``)."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
+              sp_row, sp_col, sp_bits, sp_block)
     return attn_bwd(do, q, k, v, o, lse, a)
 
 
@@ -125,10 +141,13 @@ def attn_bwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tens
                     dlse: Tensor | None, dmu: Tensor | None, causal: str | None, scale: float,
                     layout: str, kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None,
                     cu_k: Tensor | None, max_q: int, max_k: int,
-                    mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    mask: Tensor | None, sp_row: Tensor | None = None, sp_col: Tensor | None = None,
+                sp_bits: Tensor | None = None,
+                    sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dtq, dtk, dtv)`` of ``fwd_jvp``; a tangent's gradient is an empty tensor
     when the tangent is None (an operator cannot return None)."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask)
+    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
+              sp_row, sp_col, sp_bits, sp_block)
     grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a)
     return tuple(q.new_empty(0) if g is None else g for g in grads)
 
@@ -143,8 +162,8 @@ def _(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *opts):
     return (*(like(x) for x in (q, k, v)), *(q.new_empty(0) if t is None else like(t) for t in (tq, tk, tv)))
 
 
-_N_OPTIONS = 10  # the options' count: none of them is differentiable
-_TENSOR_OPTIONS = (3, 5, 6, 9)  # kv_lens, cu_q, cu_k, mask: saved as tensors, the rest on ctx
+_N_OPTIONS = 14  # the options' count: none of them is differentiable
+_TENSOR_OPTIONS = (3, 5, 6, 9, 10, 11, 12)  # kv_lens, cu_q, cu_k, mask, sp_row, sp_col, sp_bits: saved as tensors
 
 
 def _save_options(ctx, opts) -> tuple:

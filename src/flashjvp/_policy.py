@@ -157,15 +157,38 @@ def keep_fitting(configs, fits) -> list:
     return kept if autotuning() else kept[:1]
 
 
+def divides_blocks(bm: int, bn: int, block_m: int, block_n: int) -> bool:
+    """Whether a (bm, bn) tile serves a block mask of (block_m, block_n) blocks: each mask block
+    is a whole number of tiles."""
+    return block_m % bm == 0 and block_n % bn == 0
+
+
+def sparse_tiles(configs, args) -> list:
+    """With a block mask (SPARSE) only the tiles that divide its blocks; all otherwise."""
+    if not args.get("SPARSE"):
+        return configs
+    bm, bn = args["SP_BM"], args["SP_BN"]
+    return [c for c in configs if divides_blocks(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], bm, bn)]
+
+
+def block_mask_tiles_ok(block_m: int, block_n: int) -> bool:
+    """Whether every kernel (forward, both backwards) has a tile dividing a block mask's blocks."""
+    lists = [[INTERPRETER_TILE]] if interpreting() else [FWD_TILES, BWD_TILES, BWD_JVP_TILES]
+    return all(any(divides_blocks(t[0], t[1], block_m, block_n) for t in tiles) for tiles in lists)
+
+
 def prune_fwd_configs(configs, named_args, **kwargs):
     """Forward tiles whose pipelined K/V (and tK/tV) buffers fit in shared memory and whose fp32
-    accumulators fit in registers."""
+    accumulators fit in registers (with a block mask: of the tiles dividing its blocks)."""
     args = {**named_args, **kwargs}  # constexprs arrive as keyword arguments
+    configs = sparse_tiles(configs, args)
     dqk, dv = args["BLOCK_DQK"], args["BLOCK_DV"]
     elt = args["Q"].element_size()  # q is a tensor on both paths
     n_tan_kv = int(args["HAS_TK"]) * dqk + int(args["HAS_TV"]) * dv
     jvp = args["HAS_TQ"] or args["HAS_TK"] or args["HAS_TV"]
     d64_jvp = jvp and elt == 2 and dqk == dv == 64 and not args["TMA"]
+
+    d64_jvp = d64_jvp and any(tile_of(c) in FWD_JVP_D64_TILES for c in configs)
 
     def fits(c):
         bm, bn, warps, stages = tile_of(c)
@@ -182,6 +205,7 @@ def prune_bwd_configs(configs, named_args, **kwargs):
     """Backward tiles whose streamed tiles fit in shared memory and whose fp32 accumulators (dK
     and dV per key block, dQ per query block) fit in registers."""
     args = {**named_args, **kwargs}
+    configs = sparse_tiles(configs, args)
     d = args["BLOCK_DQK"] + args["BLOCK_DV"]
     elt = args["Q"].element_size()
 
@@ -197,6 +221,7 @@ def prune_bwd_jvp_configs(configs, named_args, **kwargs):
     """Second-order backward tiles: dK, dtK, dV, dtV (or dQ, dtQ) and the key block's k, v, tk,
     tv tiles per program must fit in registers; the streamed q-side tiles in shared memory."""
     args = {**named_args, **kwargs}
+    configs = sparse_tiles(configs, args)
     d = args["BLOCK_DQK"] + args["BLOCK_DV"]
     elt = args["Q"].element_size()
 

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from flashjvp._policy import block_mask_tiles_ok, interpreting
+from flashjvp._sparse import SparsePlan, plan_of
+
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REF_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -45,6 +48,8 @@ class AttnArgs:
     # the diagonal a window is measured from when ``causal`` is None ("top_left" or "bottom_right");
     # with causal attention ``causal`` names it. None: "top_left"
     align: str | None = None
+    # block mask (a FlexAttention BlockMask as the kernels read it, _sparse.SparsePlan), or None
+    sparse: SparsePlan | None = field(default=None, compare=False)
 
     @property
     def diagonal(self) -> str:
@@ -207,13 +212,49 @@ def _check_mask(mask, q, shape: tuple[int, int, int, int], any_float: bool) -> t
     return _plain(mask[(None,) * (4 - mask.dim())].expand(shape))
 
 
+def _check_block_mask(block_mask, q, batch: int, h_q: int, n_q: int, n_k: int, others: dict) -> SparsePlan:
+    """``block_mask`` (a FlexAttention ``BlockMask``) as the kernels read it (``_sparse.plan_of``:
+    built once per mask and kept on it)."""
+    from torch.nn.attention.flex_attention import BlockMask  # imported on first use: it costs import time
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask: expected a torch.nn.attention.flex_attention.BlockMask or None, "
+                        f"got {type(block_mask).__name__}")
+    named = [name for name, given in others.items() if given]
+    if named:
+        raise ValueError(f"block_mask: cannot be combined with {', '.join(named)} (express it in the "
+                         f"mask_mod of the BlockMask instead)")
+    if tuple(block_mask.seq_lengths) != (n_q, n_k):
+        raise ValueError(f"block_mask: expected seq_lengths (Q_LEN, KV_LEN) = {(n_q, n_k)} (the sequence "
+                         f"lengths of q and k), got {tuple(block_mask.seq_lengths)}")
+    shape = tuple(block_mask.kv_num_blocks.shape)
+    if len(shape) != 3 or shape[0] not in (1, batch) or shape[1] not in (1, h_q):
+        raise ValueError(f"block_mask: expected a (B, H) of (1 or {batch}, 1 or {h_q}) (broadcastable to the "
+                         f"batch and query heads of q), got {shape[:-1]}")
+    if block_mask.kv_num_blocks.device != q.device:
+        raise ValueError(f"block_mask: expected device {q.device} (the device of q), "
+                         f"got {block_mask.kv_num_blocks.device}")
+    block_m, block_n = block_mask.BLOCK_SIZE
+    if not block_mask_tiles_ok(block_m, block_n):
+        step = 16 if interpreting() else 32
+        raise ValueError(f"block_mask: BLOCK_SIZE {(block_m, block_n)} is not served: the kernels' tiles must "
+                         f"divide the mask's blocks, so both sizes must be multiples of {step} (the default "
+                         f"BLOCK_SIZE=128 works); rebuild it with create_block_mask(..., BLOCK_SIZE=128)")
+    if torch.compiler.is_compiling() and getattr(block_mask, "_flashjvp_plan", None) is None:
+        raise ValueError("block_mask: under torch.compile the mask must have been prepared outside the compiled "
+                         "function: call flashjvp.prepare_block_mask(block_mask) once after creating it")
+    return plan_of(block_mask)
+
+
 def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
                  layout="bhnd", allow_float64: bool = True, kv_lens=None, window=None,
-                 attn_mask=None, align=None, default_align: str | None = None) -> AttnArgs:
+                 attn_mask=None, align=None, default_align: str | None = None, block_mask=None,
+                 sparse: SparsePlan | None = None) -> AttnArgs:
     """Validate shapes, dtypes, devices and options; return the normalised sizes.
 
     ``align`` names the diagonal of causal masking and of the window (see ``_norm_align``);
-    ``default_align`` is the function's own convention where the call names none.
+    ``default_align`` is the function's own convention where the call names none. ``block_mask``: a
+    FlexAttention ``BlockMask``; ``sparse``: one already converted (the operators of ``_ops.py``).
 
     Raises ``TypeError`` for wrong types/dtypes and ``ValueError`` for wrong values or shapes,
     each naming the argument, what was expected and what was given.
@@ -271,6 +312,12 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
             raise ValueError(f"{name}: expected device {x.device} (that of {name[1]}), "
                              f"got {t.device}")
     c = _norm_causal(causal)
+    if block_mask is not None:
+        sparse = _check_block_mask(block_mask, q, b, h_q, n_q, n_k, {
+            "causal": c is not None, "window": window is not None, "attn_mask": attn_mask is not None,
+            "kv_lens": kv_lens is not None, "align": align is not None})
+    if sparse is not None:
+        return AttnArgs(b, h_q, h_kv, n_q, n_k, d_qk, d_v, None, _norm_scale(scale, d_qk), layout, sparse=sparse)
     if kv_lens is None and window is None and attn_mask is None and align is None and default_align is None:
         return _plain_args((b, h_q, h_kv, n_q, n_k, d_qk, d_v, c, _norm_scale(scale, d_qk), layout))
     win = None if window is None else _norm_window(window)

@@ -14,6 +14,7 @@ from flashjvp._fwd import attn_fwd
 from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
 from flashjvp._plan import plain_plan
 from flashjvp._policy import interpreting
+from flashjvp._sparse import dense_mask
 from flashjvp._validate import AttnArgs, bhnd_view, check_inputs, check_varlen
 from flashjvp.ref import attention_jvp_ref, attention_ref, attention_varlen_jvp_ref, attention_varlen_ref
 
@@ -76,7 +77,8 @@ def _ref(q, k, v, tq, tk, tv, a: AttnArgs, *, jvp: bool):
             return attention_varlen_ref(*sq[:3], *packed, **kw).unsqueeze(0)
         o, to, lse, mu = attention_varlen_jvp_ref(*sq[:3], *packed, *sq[3:], return_lse=True, **kw)
         return o.unsqueeze(0), to.unsqueeze(0), lse.unsqueeze(0), mu.unsqueeze(0)
-    kw.update(layout=a.layout, block_q=_cpu_block(q), kv_lens=a.kv_lens, attn_mask=a.mask)
+    mask = a.mask if a.sparse is None else dense_mask(a.sparse)
+    kw.update(layout=a.layout, block_q=_cpu_block(q), kv_lens=a.kv_lens, attn_mask=mask)
     if not jvp:
         return attention_ref(q, k, v, **kw)
     return attention_jvp_ref(q, k, v, tq, tk, tv, return_lse=True, **kw)
@@ -153,7 +155,7 @@ def _sdpa_expressible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: Attn
     SDPA. Misaligned inputs (a view at an odd offset) get flashjvp's operator: Inductor's compiled
     SDPA returned wrong values for them."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and a.h_q == a.h_kv
-            and a.kv_lens is None and a.window is None and a.mask is None and a.varlen is None
+            and a.kv_lens is None and a.window is None and a.mask is None and a.varlen is None and a.sparse is None
             and (a.causal != "bottom_right" or a.n_q == a.n_k)
             and _sdpa_aligned(q) and _sdpa_aligned(k) and _sdpa_aligned(v))
 
@@ -189,7 +191,7 @@ def _attention_jvp(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None, window=None, attn_mask=None,
-              align=None):
+              align=None, block_mask=None):
     """Scaled dot-product attention ``softmax(scale * q @ k^T) @ v`` (FlashAttention).
 
     Args:
@@ -219,6 +221,12 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
             ``"bottom_right"``; ``None``: the one ``causal`` names, else top-left. A window with
             ``Nq != Nk`` must name one (``align`` or a ``causal`` string): PyTorch and flash-attn
             differ there, so ``ValueError`` rather than a guess (docs/semantics.md).
+        block_mask: a FlexAttention ``BlockMask`` (``torch.nn.attention.flex_attention.create_block_mask``,
+            its (B, H) 1 or those of q, Q_LEN = Nq, KV_LEN = Nk, block sizes multiples of 32; 128 is
+            the default): full blocks run unmasked, empty ones are skipped, partial ones apply its
+            ``mask_mod`` (evaluated once per mask into a bitmask per partial block, kept on the mask).
+            Not combined with ``causal``, ``window``, ``attn_mask`` or ``kv_lens``; see
+            docs/block_sparse.md and ``flashjvp.block_masks``.
 
     Returns:
         o: (B, Hq, Nq, Dv) / (B, Nq, Hq, Dv), dtype of q.
@@ -226,23 +234,24 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
     Differentiable (Triton backward) and forward-differentiable: under ``torch.func.jvp`` or
     ``torch.autograd.forward_ad`` ``o`` and its tangent come from one fused kernel launch.
     """
-    if kv_lens is None and window is None and attn_mask is None:  # plain calls: a cached plan
+    if kv_lens is None and window is None and attn_mask is None and block_mask is None:  # plain calls: a cached plan
         plan = plain_plan(q, k, v, causal, scale, layout,
                           lambda: check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False,
                                                align=align), tag=align)
         if plan is not None and (o := plan(q, k, v)) is not None:
             return o
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
-                     window=window, attn_mask=attn_mask, align=align)
+                     window=window, attn_mask=attn_mask, align=align, block_mask=block_mask)
     return _attention(q, k, v, a)
 
 
 def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None,
-                  layout="bhnd", return_lse=False, kv_lens=None, window=None, attn_mask=None, align=None):
+                  layout="bhnd", return_lse=False, kv_lens=None, window=None, attn_mask=None, align=None,
+                  block_mask=None):
     """Attention and its forward-mode derivative in one fused kernel launch.
 
     Args:
-        q, k, v, causal, scale, layout, kv_lens, window, attn_mask, align: as in :func:`attention`.
+        q, k, v, causal, scale, layout, kv_lens, window, attn_mask, align, block_mask: as in :func:`attention`.
         tq, tk, tv: tangents with the shapes and dtypes of q, k, v (strides may differ);
             ``None`` means zero, and the matrix products it would feed are skipped.
         return_lse: also return ``lse`` and its tangent ``mu``.
@@ -255,7 +264,8 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     backward kernels; through ``to``, ``lse`` or ``mu`` this is the second-order backward).
     """
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
-                     allow_float64=False, kv_lens=kv_lens, window=window, attn_mask=attn_mask, align=align)
+                     allow_float64=False, kv_lens=kv_lens, window=window, attn_mask=attn_mask, align=align,
+                     block_mask=block_mask)
     o, to, lse, mu = _attention_jvp(q, k, v, tq, tk, tv, a, return_lse)
     return (o, to, lse, mu) if return_lse else (o, to)
 
