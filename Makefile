@@ -31,7 +31,7 @@ demo: $(STAMP)  ## train MeanFlow on the 8x8 digits (GPU if there is one, else t
 		--out outputs/meanflow_digits
 
 bench:  ## on a GPU machine: the benchmark suite (results under benchmarks/results/<gpu>/)
-	PYTHONPATH=src $(PYTHON) -m flashjvp.bench
+	PYTHONPATH=src $(PYTHON) -m benchmarks.bench
 
 gpu-test:  ## on a GPU machine: the full GPU test matrix
 	PYTHONPATH=src FLASHJVP_AUTOTUNE=0 $(PYTHON) -m pytest tests -q -n 8

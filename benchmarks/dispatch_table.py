@@ -6,7 +6,7 @@ forward with grad) on its Triton kernels (``FLASHJVP_CUDNN=0``) and on PyTorch's
 (``FLASHJVP_CUDNN=1``), and PyTorch's own SDPA with its default backend beside them: median of
 ``triton.testing.do_bench``, ms. Writes ``dispatch_table.{json,md}`` under the GPU's results folder.
 
-    PYTHONPATH=src python benchmarks/dispatch_table.py [--quick] [--out DIR]
+    PYTHONPATH=src python -m benchmarks.dispatch_table [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashjvp
-from flashjvp.bench import results_dir, run_metadata
+from benchmarks.harness import results_dir, run_metadata
 
 # (B, H, Nq, Nk, D, causal)
 SHAPES = [(b, h, n, n, d, c) for d in (64, 72, 128) for (b, h, n) in ((32, 16, 256), (8, 16, 1024), (2, 16, 4096),
@@ -92,7 +92,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     gpu = torch.cuda.get_device_name()
     out = args.out or results_dir(gpu)
-    meta = run_metadata(gpu, "benchmarks/dispatch_table.py", argv)
+    meta = run_metadata(gpu, "benchmarks.dispatch_table", argv)
     rows = []
     for shape in [s for s in SHAPES if args.dims is None or s[4] in args.dims]:
         row = {"shape": list(shape)}

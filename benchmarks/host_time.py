@@ -7,7 +7,7 @@ calls (as ``timeit`` does: the least disturbed), with one synchronisation after 
 microseconds per call. Without a GPU the Triton launches are stubbed out (the CPU tensors take
 the kernel path through the interpreter flag), which measures flashjvp's own Python only.
 
-    PYTHONPATH=src python benchmarks/host_time.py [--out DIR]     # writes host_time.{json,md}
+    PYTHONPATH=src python -m benchmarks.host_time [--out DIR]     # writes host_time.{json,md}
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 import flashjvp  # noqa: E402
-from flashjvp.bench import results_dir, run_metadata  # noqa: E402
+from benchmarks.harness import results_dir, run_metadata  # noqa: E402
 from flashjvp.sdpa import _math_sdpa  # noqa: E402
 
 
@@ -100,7 +100,7 @@ def main(argv=None):
         ref_s = "" if t_ref is None else f"{t_ref:8.1f}"
         print(f"{name:28s} torch {ref_s:>8s} us   flashjvp {t_ours:8.1f} us", flush=True)
     name = torch.cuda.get_device_name() if gpu else "cpu"
-    meta = run_metadata(name, "benchmarks/host_time.py", argv)
+    meta = run_metadata(name, "benchmarks.host_time", argv)
     meta["shape"] = list(args.shape)
     if args.out is not None or gpu:
         out = args.out or results_dir(name)
@@ -108,7 +108,7 @@ def main(argv=None):
         (out / "host_time.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         lines = [f"# Host time per eager call ({name})", "",
                  f"{meta['date']}; torch {meta['torch']}, triton {meta['triton']}; "
-                 f"B, H, N, D = {tuple(args.shape)}, {dtype}; `PYTHONPATH=src python benchmarks/host_time.py`", "",
+                 f"B, H, N, D = {tuple(args.shape)}, {dtype}; `{meta['command']}`", "",
                  "PyTorch's side: SDPA's default backend for plain calls, math SDPA (plain ops) under torch.func.jvp. "
                  "Best of the runs, microseconds per call (wall time; the kernels take less).", "",
                  "| call | torch (us) | flashjvp (us) |", "|---|---|---|"]

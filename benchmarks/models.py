@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,8 +36,8 @@ from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashjvp
+from benchmarks.harness import Report, md_table, results_dir, run_metadata, skip_reason
 from flashjvp._launch import LaunchLog
-from flashjvp.bench import _md_table, _reason, results_dir, run_metadata
 from flashjvp.sdpa import SDPAFallbackWarning
 
 STEPS = ("plain", "meanflow", "scm")
@@ -270,7 +270,7 @@ def run_row(case: Case, row: Row, args, cuda: bool) -> Row:
             except Exception as e:  # noqa: BLE001 - recorded in the row, the run goes on
                 oom = isinstance(e, torch.cuda.OutOfMemoryError)
                 hints = [w for w in caught if "attention" in str(w.message).lower()]
-                notes.append((f"{compiled}: " if compiled else "") + _reason(e, hints))
+                notes.append((f"{compiled}: " if compiled else "") + skip_reason(e, hints))
             finally:  # nothing of the step may stay alive (e: its traceback holds the step's tensors)
                 for p in case.params:
                     p.grad = None
@@ -312,7 +312,7 @@ def format_report(rows: list[Row], meta: dict) -> str:
              "max_memory_allocated during a step (weights, gradients, inputs included); "
              "`x / flashjvp`: ms ratio (> 1: flashjvp faster)."]
     dims = {r.model: r.dims for r in rows if r.dims}
-    parts.append(_md_table(["model", "config"], [[m, d] for m, d in dims.items()]))
+    parts.append(md_table(["model", "config"], [[m, d] for m, d in dims.items()]))
     providers = list(dict.fromkeys(r.provider for r in rows))
     others = [p for p in providers if p != "flashjvp"] if "flashjvp" in providers else []
     by = {(r.model, r.step, r.mode, r.provider): r for r in rows if r.status == "ok"}
@@ -324,16 +324,16 @@ def format_report(rows: list[Row], meta: dict) -> str:
         ratios = [f"{by[(*key, p)].ms / fj.ms:.3g}x" if fj and (*key, p) in by else "" for p in others]
         body.append([*key, *cells, *ratios])
     header = ["model", "step", "mode", *[f"{p} ms / MiB" for p in providers], *[f"{p} / flashjvp" for p in others]]
-    parts.append(_md_table(header, body))
+    parts.append(md_table(header, body))
     comp = [[r.model, r.step, r.mode, r.provider, r.compiled, str(r.graphs), str(r.breaks), f"{r.first_s:.1f}"]
             for r in rows if r.status == "ok" and r.compiled]
     if comp:
         parts += ["## Compiled rows (graphs Dynamo compiled, graph breaks, first step s incl. compilation)",
-                  _md_table(["model", "step", "mode", "provider", "compiled", "graphs", "breaks", "first s"], comp)]
+                  md_table(["model", "step", "mode", "provider", "compiled", "graphs", "breaks", "first s"], comp)]
     notes = [[r.model, r.step, r.mode, r.provider, r.status, r.reason[:300]] for r in rows if r.reason]
     if notes:
         parts += ["## Not measured, fallbacks and notes",
-                  _md_table(["model", "step", "mode", "provider", "status", "reason"], notes)]
+                  md_table(["model", "step", "mode", "provider", "status", "reason"], notes)]
     return "\n\n".join(parts) + "\n"
 
 
@@ -363,16 +363,12 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(rows: list[Row], meta: dict, out: Path, with_plot: bool) -> list[Path]:
-    """``models.json`` (meta + rows), ``models.md`` and, with matplotlib, ``models.png``."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "models.json", out / "models.md"]
-    paths[0].write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
-    paths[1].write_text(format_report(rows, meta))
-    if with_plot and importlib.util.find_spec("matplotlib") is not None and any(r.status == "ok" for r in rows):
-        plot(rows, out / "models.png")
-        paths.append(out / "models.png")
-    return paths
+REPORT = Report("models", format_report, plot)
+
+
+def write_report(rows: list[Row], meta: dict, out: Path, with_plot: bool) -> dict[str, Path]:
+    """``models.json`` (meta + rows), ``models.md`` and, with matplotlib and a measured row, ``models.png``."""
+    return REPORT.write(rows, meta, out, with_plot and any(r.status == "ok" for r in rows))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -440,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.bf16_weights and not args.tiny:
                     case = in_dtype(case, torch.bfloat16)
             except Exception as e:  # noqa: BLE001 - e.g. diffusers missing: the model's rows are skipped
-                failed[row.model] = f"model not built: {_reason(e, [])}"
+                failed[row.model] = f"model not built: {skip_reason(e, [])}"
         if row.status == "ok" and row.model in failed:
             row.status, row.reason = "skipped", failed[row.model]
         elif row.status == "ok":
@@ -453,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = round(time.perf_counter() - start, 1)
     rows = merge(old.get("rows", []), rows)
     paths = write_report(rows, meta, out, with_plot=True)
-    print("\n" + format_report(rows, meta) + "\nwrote " + ", ".join(map(str, paths)))
+    print("\n" + format_report(rows, meta) + "\nwrote " + ", ".join(map(str, paths.values())))
     return 0
 
 

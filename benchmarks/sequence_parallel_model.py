@@ -21,7 +21,7 @@ import argparse
 
 
 def flops_fwd_jvp(b, h, nq, nk, d, causal) -> float:
-    """Forward+JVP with all tangents counted as 3 forwards of 4 B H Nq Nk D FLOPs (flashjvp.bench)."""
+    """Forward+JVP with all tangents counted as 3 forwards of 4 B H Nq Nk D FLOPs (benchmarks.bench)."""
     return 3 * 4.0 * b * h * nq * nk * d * (0.5 if causal else 1.0)
 
 

@@ -7,13 +7,13 @@
 # Environment: OUT (where logs and results go, default /tmp/flashjvp-gpu), TESTS (test files or
 # node ids, default tests), TEST_LIMIT (seconds for the tests, default 300; pytest is then
 # interrupted and still prints its summary), WORKERS (pytest-xdist workers, default 12), BENCH_LIMIT (the benchmark's
-# --time-limit, default 240), BENCH_ARGS (more options for python -m flashjvp.bench, e.g. --modes fwd_jvp),
+# --time-limit, default 240), BENCH_ARGS (more options for python -m benchmarks.bench, e.g. --modes fwd_jvp),
 # MASKS_LIMIT (the masks benchmark's --time-limit, default 240), MASKS_ARGS (more options for
-# python -m flashjvp.bench_masks, e.g. --cases 1,3); FLASHJVP_AUTOTUNE is passed through.
+# python -m benchmarks.bench_masks, e.g. --cases 1,3); FLASHJVP_AUTOTUNE is passed through.
 # The benchmark adds the reference kernel when benchmarks/third_party/reference_jvp.py exists.
-# HOST_ARGS, DISPATCH_ARGS and MODELS_ARGS add options to benchmarks/host_time.py, dispatch_table.py
-# and models.py (MODELS_LIMIT: its --time-limit, default 240; DISPATCH_LIMIT: seconds for the
-# dispatch table, default 300).
+# HOST_ARGS, DISPATCH_ARGS and MODELS_ARGS add options to python -m benchmarks.host_time,
+# benchmarks.dispatch_table and benchmarks.models (MODELS_LIMIT: the last one's --time-limit,
+# default 240; DISPATCH_LIMIT: seconds for the dispatch table, default 300).
 # Writes $OUT/gpu.txt, $OUT/tests.log, $OUT/bench.log, $OUT/bench/bench.{json,md,png}, and for the
 # masks step $OUT/masks.log and $OUT/masks/masks.{json,md}.
 set -uo pipefail
@@ -51,7 +51,7 @@ if has bench; then
   ref=benchmarks/third_party/reference_jvp.py  # the reference kernel (gitignored): timed when present
   refk=(); [[ -f $ref ]] && refk=(--kernel "reference=$ref:attention")
   # shellcheck disable=SC2086  # BENCH_ARGS is split into options on purpose
-  FLASHJVP_POISON=0 python3 -m flashjvp.bench --quick --time-limit "${BENCH_LIMIT:-240}" "${refk[@]}" ${BENCH_ARGS:-} \
+  FLASHJVP_POISON=0 python3 -m benchmarks.bench --quick --time-limit "${BENCH_LIMIT:-240}" "${refk[@]}" ${BENCH_ARGS:-} \
     --out "$OUT/bench" >"$OUT/bench.log" 2>&1
   echo "bench: exit status $?"
   grep -E "^\[|time limit|wrote" "$OUT/bench.log" | tail -60
@@ -60,7 +60,7 @@ fi
 # (d) the masks benchmark: varlen vs padded, sliding window, key padding, masked sdpa
 if has masks; then
   # shellcheck disable=SC2086  # MASKS_ARGS is split into options on purpose
-  FLASHJVP_POISON=0 python3 -m flashjvp.bench_masks --quick --time-limit "${MASKS_LIMIT:-240}" ${MASKS_ARGS:-} \
+  FLASHJVP_POISON=0 python3 -m benchmarks.bench_masks --quick --time-limit "${MASKS_LIMIT:-240}" ${MASKS_ARGS:-} \
     --out "$OUT/masks" >"$OUT/masks.log" 2>&1
   echo "masks: exit status $?"
   grep -E "^\[|time limit|wrote" "$OUT/masks.log" | tail -70
@@ -69,11 +69,11 @@ fi
 # (e) host time per eager call, the plain-path dispatch table, the model-level benchmark
 if has host; then
   # shellcheck disable=SC2086
-  FLASHJVP_POISON=0 timeout 120 python3 benchmarks/host_time.py --out "$OUT" ${HOST_ARGS:-} 2>&1 | tail -12
+  FLASHJVP_POISON=0 timeout 120 python3 -m benchmarks.host_time --out "$OUT" ${HOST_ARGS:-} 2>&1 | tail -12
 fi
 if has dispatch; then
   # shellcheck disable=SC2086
-  FLASHJVP_POISON=0 timeout "${DISPATCH_LIMIT:-300}" python3 benchmarks/dispatch_table.py --quick --out "$OUT" \
+  FLASHJVP_POISON=0 timeout "${DISPATCH_LIMIT:-300}" python3 -m benchmarks.dispatch_table --quick --out "$OUT" \
     ${DISPATCH_ARGS:-} >"$OUT/dispatch.log" 2>&1
   echo "dispatch: exit status $?"
 fi

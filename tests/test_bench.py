@@ -1,16 +1,20 @@
-"""flashjvp.bench on the CPU: FLOP counting, the pure report (table, JSON, plot), the command line,
-the flash_attn stub of the kernel loader, and one tiny end-to-end run with the CUDA calls faked."""
+"""benchmarks/bench.py (and the harness it runs on) on the CPU: FLOP counting, the pure report
+(table, JSON, plot), the command line and its `python -m flashjvp.bench` entry, the flash_attn stub
+of the kernel loader, and one tiny end-to-end run with the CUDA calls faked."""
 
 import functools
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from flashjvp import bench
-from flashjvp.bench import Row, Shape, attention_flops
+from benchmarks import bench, harness
+from benchmarks.bench import Row, Shape, attention_flops
 
 
 def test_flops_forward_causal_and_modes():
@@ -45,7 +49,7 @@ def _row(shape, provider, mode, ms=None, skip=None, all_tangents=True):
               all_tangents=all_tangents)
     tflops = None if ms is None else s.flops(mode) / ms / 1e9
     peak = None if ms is None else 12.0
-    return Row(s.id, s.name, s.dims, s.tangents, provider, mode, ms, tflops, peak, skip)
+    return Row(s.id, s.name, s.dims, s.tangents, provider, mode, ms=ms, tflops=tflops, peak_mib=peak, skip=skip)
 
 
 def _rows():
@@ -74,7 +78,7 @@ def test_report_files(tmp_path):
     pytest.importorskip("matplotlib")
     rows = _rows()
     meta = {"gpu": "Fake GPU", "torch": "2.x", "triton": "3.x", "date": "2025-01-01T00:00:00+00:00",
-            "command": "python -m flashjvp.bench --quick", "dtype": "bf16",
+            "command": "python -m benchmarks.bench --quick", "dtype": "bf16",
             "unavailable": {"jvp-flash-attention": "not importable"}}
     paths = bench.write_report(rows, meta, tmp_path / "out")
     data = json.loads(paths["json"].read_text())
@@ -95,10 +99,10 @@ def test_report_files(tmp_path):
 def test_describe_tiles():
     configs = {"_attn_fwd_kernel": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
                "_attn_bwd_dq_kernel": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "num_ctas": 1}}
-    assert bench.describe_tiles(configs) == (
+    assert harness.describe_tiles(configs) == (
         "_attn_bwd_dq_kernel: BLOCK_M=64 BLOCK_N=32 num_warps=4 num_stages=2; "
         "_attn_fwd_kernel: BLOCK_M=128 BLOCK_N=64 num_warps=8 num_stages=2")
-    assert bench.describe_tiles({}) is None
+    assert harness.describe_tiles({}) is None
 
 
 def test_merge_reports(tmp_path):
@@ -155,6 +159,16 @@ def test_cli(capsys):
         bench.select_shapes(["9"])
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "nope"])
+
+
+def test_package_entry_runs_the_suite():
+    """`python -m flashjvp.bench` (the package keeps only this entry) runs benchmarks/bench.py."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "flashjvp.bench", "--help"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "python -m benchmarks.bench" in done.stdout and "--kernel" in done.stdout
 
 
 KERNEL = """
@@ -254,11 +268,11 @@ def test_flashjvp_path_providers(monkeypatch):
     assert bench.builtin_provider("flashjvp").env is None
     assert "flashjvp-cudnn" not in bench.DEFAULT_PROVIDERS and "flashjvp-cudnn" in bench.BUILTIN_PROVIDERS
     monkeypatch.setenv("FLASHJVP_CUDNN", "auto")
-    with bench.provider_env(cudnn.env):
+    with harness.scoped_env(cudnn.env):
         assert os.environ["FLASHJVP_CUDNN"] == "1"
     assert os.environ["FLASHJVP_CUDNN"] == "auto"
     monkeypatch.delenv("FLASHJVP_CUDNN")
-    with bench.provider_env(cudnn.env):
+    with harness.scoped_env(cudnn.env):
         assert os.environ["FLASHJVP_CUDNN"] == "1"
     assert "FLASHJVP_CUDNN" not in os.environ
 
@@ -275,8 +289,9 @@ def test_flashjvp_path_providers(monkeypatch):
         return flashjvp.attention_ref(x.q, x.k, x.v)
 
     p = bench.Provider("probe", ("fwd", "bwd"), fwd=fwd, env={"FLASHJVP_CUDNN": "1"})
-    x = bench.make_inputs(Shape("t", "tiny", 1, 2, 2, 16, 16, 16), torch.float32, device="cpu")
-    rows = [bench.run_one(p, mode, x, quick=True) for mode in ("fwd", "bwd")]
+    monkeypatch.setattr(bench, "make_inputs", functools.partial(bench.make_inputs, device="cpu"))
+    rows = bench.run([Shape("t", "tiny", 1, 2, 2, 16, 16, 16)], [p], ["fwd", "bwd"], torch.float32, quick=True,
+                     log=lambda line: None)
     assert all(r.ms == 0.5 for r in rows) and seen and all(v == "1" for _, v in seen)
     assert "FLASHJVP_CUDNN" not in os.environ
 
@@ -289,4 +304,4 @@ def test_path_speedups_in_report():
     md = bench.format_report(rows, {})
     assert "## flashjvp's cuDNN dispatch" in md and "1.20x" in md and "1.25x" in md
     assert "cuDNN dispatch" not in bench.format_report(_rows(), {})
-    assert bench.describe_tiles({"cudnn_sdpa_bwd": {}}) == "cudnn_sdpa_bwd"
+    assert harness.describe_tiles({"cudnn_sdpa_bwd": {}}) == "cudnn_sdpa_bwd"

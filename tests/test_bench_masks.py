@@ -1,4 +1,4 @@
-"""flashjvp.bench_masks on the CPU: the pair counts behind the ideal ratios, FLOPs, the report
+"""benchmarks/bench_masks.py on the CPU: the pair counts behind the ideal ratios, FLOPs, the report
 from synthetic rows, the time limit with a fake clock, the plan, the command line, and a --tiny
 run end to end on the math reference path (the interpreter is too slow for a smoke test)."""
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from flashjvp import bench_masks as bm
-from flashjvp.bench_masks import Row
+from benchmarks import bench_masks as bm
+from benchmarks.bench_masks import Row
 
 
 def _brute_pairs(nq, nk, causal=False, window=None, kv_len=None, bottom_right=False):
@@ -68,14 +68,17 @@ def test_flops():
 
 def _rows():
     return [
-        Row("varlen", "causal=False", "B8 dims", "dense", "fwd", "q,k,v", "dense", 1.0, 4.0, 100.0, 12.0),
-        Row("varlen", "causal=False", "B8 dims", "varlen", "fwd", "q,k,v", "dense", 0.5, 2.5, 80.0, 6.0),
-        Row("varlen", "causal=True", "B8 dims", "varlen", "fwd", "q,k,v", "dense", 0.5, 1.0, 80.0, 6.0),
+        Row("varlen", "causal=False", "B8 dims", "dense", "fwd", "q,k,v", "dense", 1.0, ms=4.0, tflops=100.0,
+            peak_mib=12.0),
+        Row("varlen", "causal=False", "B8 dims", "varlen", "fwd", "q,k,v", "dense", 0.5, ms=2.5, tflops=80.0,
+            peak_mib=6.0),
+        Row("varlen", "causal=True", "B8 dims", "varlen", "fwd", "q,k,v", "dense", 0.5, ms=1.0, tflops=80.0,
+            peak_mib=6.0),
         Row("varlen", "causal=False", "B8 dims", "dense+kv_lens", "fwd", "q,k,v", "dense", 0.7,
             skip="OutOfMemoryError: CUDA out of memory"),
-        Row("sdpa-mask", "", "B4 H32", "flashjvp.sdpa", "fwd_bwd", "", "flashjvp.sdpa", None, 2.0),
-        Row("sdpa-mask", "", "B4 H32", "torch-efficient", "fwd_bwd", "", "flashjvp.sdpa", None, 3.0),
-        Row("sdpa-mask", "", "B2 H24", "torch-efficient", "fwd_bwd", "", "flashjvp.sdpa", None, 5.0),
+        Row("sdpa-mask", "", "B4 H32", "flashjvp.sdpa", "fwd_bwd", "", "flashjvp.sdpa", ms=2.0),
+        Row("sdpa-mask", "", "B4 H32", "torch-efficient", "fwd_bwd", "", "flashjvp.sdpa", ms=3.0),
+        Row("sdpa-mask", "", "B2 H24", "torch-efficient", "fwd_bwd", "", "flashjvp.sdpa", ms=5.0),
     ]
 
 
@@ -83,12 +86,12 @@ def test_ratios_and_report(tmp_path):
     rows = bm.compute_ratios(_rows())
     assert [r.ratio for r in rows] == [1.0, 0.625, None, None, 1.0, 1.5, None]  # no baseline: no ratio
     meta = {"gpu": "Fake GPU", "torch": "2.x", "triton": "3.x", "dtype": "bfloat16", "autotune": "1",
-            "date": "2025-01-01T00:00:00+00:00", "command": "python -m flashjvp.bench_masks --quick",
+            "date": "2025-01-01T00:00:00+00:00", "command": "python -m benchmarks.bench_masks --quick",
             "wall_s": 12.0, "cases": {"sdpa-mask": {"title": "4. sdpa-mask title", "note": "a note"},
                                       "varlen": {"title": "1. varlen title"}}}
     paths = bm.write_report(rows, meta, tmp_path / "out")
     md = paths["md"].read_text()
-    assert "Fake GPU" in md and "FLASHJVP_AUTOTUNE=1" in md and "`python -m flashjvp.bench_masks --quick`" in md
+    assert "Fake GPU" in md and "FLASHJVP_AUTOTUNE=1" in md and "`python -m benchmarks.bench_masks --quick`" in md
     assert md.index("## 4. sdpa-mask title") < md.index("## 1. varlen title")  # the order of meta["cases"]
     assert "a note" in md and "Partial" not in md
     assert "| causal=False | B8 dims | varlen | fwd | q,k,v | 2.500 | 80.0 | 6 | 0.625 | 0.500 |  |  |" in md
@@ -215,7 +218,7 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch, capsys):
     assert bm.main(["--tiny", "--quick", "--time-limit", "0", "--out", str(out)]) == 0
     data = json.loads((out / "masks.json").read_text())
     rows = [Row(**r) for r in data["rows"]]
-    assert len(rows) == 58 and data["command"].startswith("python -m flashjvp.bench_masks --tiny")
+    assert len(rows) == 58 and data["command"].startswith("python -m benchmarks.bench_masks --tiny")
     measured = {(r.case, r.variant, r.mode, r.tangents) for r in rows if r.skip is None}
     for case, variant in [("varlen", "varlen"), ("varlen", "dense+kv_lens"), ("window", "window=(8,0)"),
                           ("xattn-pad", "kv_lens=16"), ("sdpa-mask", "flashjvp.sdpa"), ("sdpa-mask", "torch-math")]:

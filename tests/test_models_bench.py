@@ -3,10 +3,10 @@ kernels run in Triton's interpreter): every step of the DiT-XL attention block a
 DiT measures, the flashjvp rows launch flashjvp's kernels and the torch rows do not, one compiled
 row compiles the whole step, and a time limit turns rows into skips without building a model."""
 
+import importlib
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,13 +21,7 @@ STEPS = {"plain", "meanflow", "scm"}
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "models.py"
-    spec = importlib.util.spec_from_file_location("benchmarks_models", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    return importlib.import_module("benchmarks.models")
 
 
 @pytest.fixture

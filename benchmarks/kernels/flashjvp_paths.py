@@ -1,12 +1,12 @@
 """flashjvp's forward+JVP under one environment setting each, as ``--kernel`` plug-ins of
-``python -m flashjvp.bench``, so that one run times flashjvp's paths side by side:
+``python -m benchmarks.bench``, so that one run times flashjvp's paths side by side:
 
 - ``auto``: ``FLASHJVP_TMA=auto`` (the default policy);
 - ``tma``: ``FLASHJVP_TMA=1`` (the tensor-descriptor path forced on);
 - ``pointers``: ``FLASHJVP_TMA=0`` (forced off);
 - ``nosplit``: the default with tail splitting off (``FLASHJVP_TAIL_SPLIT=0``).
 
-    python -m flashjvp.bench --modes fwd_jvp \
+    PYTHONPATH=src python -m benchmarks.bench --modes fwd_jvp \
         --kernel flashjvp-auto=benchmarks/kernels/flashjvp_paths.py:auto \
         --kernel flashjvp-ptr=benchmarks/kernels/flashjvp_paths.py:pointers
 """

@@ -1,4 +1,5 @@
-"""Benchmark of masked attention: ``python -m flashjvp.bench_masks``.
+"""Benchmark of masked attention: ``PYTHONPATH=src python -m benchmarks.bench_masks`` from the
+repository root.
 
 Four cases, each a group of timings taken in the same run (bf16 on CUDA), run
 in the order 1, 3, 2, 4 so that a ``--time-limit`` cuts the least important last:
@@ -15,7 +16,7 @@ in the order 1, 3, 2, 4 so that a ``--time-limit`` cuts the least important last
 Modes: ``fwd`` (forward), ``fwd_jvp`` (forward + JVP; tangents as listed), ``fwd_bwd`` (forward with
 grad, then ``backward``). Every number is the median of ``triton.testing.do_bench`` (the first call,
 compilation and autotuning, is not timed) and the peak memory allocated beyond the inputs
-(:func:`flashjvp.bench.measure`). ``ratio`` is the time over that of the case's baseline in the same
+(:func:`benchmarks.harness.measure`). ``ratio`` is the time over that of the case's baseline in the same
 group and mode; ``ideal`` the ratio of the (query, key) pairs each call has to compute (what the
 work would fall to if time were proportional to it). TFLOP/s count those pairs (a padded batch
 counts its padding): ``fwd`` 4 * H * pairs * D, ``fwd_jvp`` 3x (2x with a q tangent only),
@@ -26,28 +27,26 @@ counts its padding): ``fwd`` 4 * H * pairs * D, ``fwd_jvp`` 3x (2x with a q tang
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from flashjvp._launch import LaunchLog
-from flashjvp.bench import (
-    MATH_MEMORY_FRACTION,
-    MATH_NXN_BUFFERS,
-    _fmt,
-    _md_table,
-    _reason,
-    describe_tiles,
+from benchmarks.harness import (
+    Item,
+    Measured,
+    Report,
+    add_run_options,
+    fmt,
+    math_memory_check,
+    md_table,
+    measure_cpu,
     results_dir,
+    run_items,
     run_metadata,
 )
 
@@ -122,7 +121,7 @@ def ideal_ratio(lengths, *, causal: bool = False) -> float:
 
 
 def attention_flops(pairs: int, h: int, d_qk: int, d_v: int, mode: str, tangents: str = ALL_TANGENTS) -> float:
-    """FLOPs of ``pairs`` (query, key) pairs over ``h`` heads (``flashjvp.bench`` conventions)."""
+    """FLOPs of ``pairs`` (query, key) pairs over ``h`` heads (``benchmarks.bench`` conventions)."""
     fwd = 2.0 * h * pairs * (d_qk + d_v)
     if mode == "fwd":
         return fwd
@@ -134,9 +133,9 @@ def attention_flops(pairs: int, h: int, d_qk: int, d_v: int, mode: str, tangents
 
 
 @dataclass
-class Row:
-    """One measurement (``skip`` set, numbers None, when it did not run). ``ratio`` = ms / the ms
-    of ``baseline`` in the same (case, group, dims, mode, tangents); ``ideal`` the ratio of pairs."""
+class Row(Measured):
+    """One measurement. ``ratio`` = ms / the ms of ``baseline`` in the same (case, group, dims,
+    mode, tangents); ``ideal`` the ratio of pairs."""
 
     case: str
     group: str
@@ -146,13 +145,7 @@ class Row:
     tangents: str
     baseline: str
     ideal: float | None = None
-    ms: float | None = None
-    tflops: float | None = None
-    peak_mib: float | None = None
     ratio: float | None = None
-    skip: str | None = None
-    first_call_s: float | None = None
-    tiles: str | None = None
 
 
 def compute_ratios(rows: list[Row]) -> list[Row]:
@@ -187,39 +180,24 @@ def format_report(rows: list[Row], meta: dict) -> str:
         if info.get("note"):
             parts.append(info["note"])
         body = [[r.group, r.dims, r.variant + (" (baseline)" if r.variant == r.baseline else ""), r.mode,
-                 r.tangents, _fmt(r.ms, ".3f"), _fmt(r.tflops, ".1f"), _fmt(r.peak_mib, ".0f"),
-                 _fmt(r.ratio, ".3f"), _fmt(r.ideal, ".3f"), _fmt(r.first_call_s, ".1f"), (r.skip or "")[:300]]
+                 r.tangents, fmt(r.ms, ".3f"), fmt(r.tflops, ".1f"), fmt(r.peak_mib, ".0f"),
+                 fmt(r.ratio, ".3f"), fmt(r.ideal, ".3f"), fmt(r.first_call_s, ".1f"), (r.skip or "")[:300]]
                 for r in sel]
         header = ["group", "dims", "variant", "mode", "tangents", "ms", "TFLOP/s", "peak extra MiB",
                   "ratio", "ideal", "first call s", "skipped"]
-        parts.append(_md_table(header, body))
+        parts.append(md_table(header, body))
     return "\n\n".join(parts) + "\n"
+
+
+REPORT = Report("masks", format_report)
 
 
 def write_report(rows: list[Row], meta: dict, out_dir: Path) -> dict[str, Path]:
     """``masks.json`` (meta + rows) and ``masks.md`` in ``out_dir``; returns their paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    compute_ratios(rows)
-    paths = {"json": out_dir / "masks.json", "md": out_dir / "masks.md"}
-    paths["json"].write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
-    paths["md"].write_text(format_report(rows, meta))
-    return paths
+    return REPORT.write(compute_ratios(rows), meta, out_dir)
 
 
 # --------------------------------------------------------------------------- the plan
-
-
-@dataclass
-class Item:
-    """One measurement to take: ``make(x) -> (fn, leaves)`` builds the timed callable from the
-    tensors ``x`` of the input set ``inputs``; ``check()`` returns a skip reason or None."""
-
-    row: Row
-    inputs: str
-    make: Callable[[dict], tuple[Callable, list]]
-    flops: float | None = None
-    check: Callable[[], str | None] | None = None
 
 
 @dataclass
@@ -418,18 +396,6 @@ def _sdpa_providers(mask_of: Callable[[dict], torch.Tensor]) -> dict[str, dict]:
     }
 
 
-def math_memory_check(b: int, h: int, nq: int, nk: int, device) -> str | None:
-    """Skip reason when the math JVP's fp32 score matrices would not fit comfortably (estimate)."""
-    if torch.device(device).type != "cuda":
-        return None
-    need = MATH_NXN_BUFFERS * 4 * b * h * nq * nk
-    free = torch.cuda.mem_get_info()[0]
-    if need > MATH_MEMORY_FRACTION * free:
-        return (f"memory estimate {need / 2**30:.0f} GiB ({MATH_NXN_BUFFERS} fp32 Nq x Nk buffers) > "
-                f"{MATH_MEMORY_FRACTION:.0%} of free {free / 2**30:.0f} GiB")
-    return None
-
-
 def key_padding_mask(b: int, n: int, device) -> torch.Tensor:
     """(B, 1, 1, N) bool, True = attend: the second half of the batch has its last N/2 keys masked."""
     mask = torch.ones(b, 1, 1, n, dtype=torch.bool, device=device)
@@ -480,104 +446,18 @@ def make_plan(cases=CASE_ORDER, sizes: Sizes = FULL, device="cuda", dtype=torch.
 # --------------------------------------------------------------------------- running
 
 
-def measure_cpu(fn: Callable, leaves: list, quick: bool) -> tuple[float, float | None, float]:
-    """(median ms of a few calls, no memory figure, first-call seconds): --tiny's timer."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(1 if quick else 3):
-        for t in leaves:
-            t.grad = None
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times), None, first
-
-
-def _measure_gpu(fn, leaves, quick):
-    from flashjvp.bench import measure
-
-    return measure(fn, leaves, quick)
-
-
-def _cuda() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
-
-
-def run_item(it: Item, x: dict, quick: bool, timer: Callable) -> Row:
-    """Measure one item into its row; any exception becomes the row's skip reason."""
-    row = it.row
-    caught: list = []
-    before = torch.cuda.memory_allocated() if _cuda() else 0
-    try:
-        row.skip = it.check() if it.check else None
-        if row.skip is None:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                fn, leaves = it.make(x)
-                row.ms, row.peak_mib, row.first_call_s = timer(fn, leaves, quick)
-                if _cuda():
-                    with LaunchLog() as log:  # one more call, not timed: the tiles it ran
-                        fn()
-                    row.tiles = describe_tiles({r.kernel: r.config for r in log.launches})
-            row.tflops = it.flops / row.ms / 1e9 if it.flops else None
-    except Exception as e:  # noqa: BLE001 - recorded as a skip, the run goes on
-        row.ms = row.peak_mib = row.tflops = None
-        row.skip = _reason(e, caught)
-    fn = leaves = None
-    if _cuda():
-        if torch.cuda.memory_allocated() > before:  # kept alive by a cycle (a traceback): collect it
-            gc.collect()
-        torch.cuda.empty_cache()
-    return row
-
-
 def run(plan: Plan, *, quick: bool = False, time_limit: float = 0.0, log: Callable = print,
         clock: Callable[[], float] = time.perf_counter, timer: Callable | None = None,
         checkpoint: Callable[[list[Row]], None] | None = None) -> list[Row]:
-    """Every item of ``plan`` in order; past ``time_limit`` seconds (0: none) of ``clock`` the
-    remaining ones are recorded as skipped. Inputs are made when an item needs a new input set
-    (the previous set is freed first); ``checkpoint(rows)`` runs before each new set."""
-    timer = timer or _measure_gpu
-    rows: list[Row] = []
-    start, current, x, x_err = clock(), None, None, None
-    n = len(plan.items)
-    for i, it in enumerate(plan.items):
-        row = it.row
-        elapsed = clock() - start
-        if time_limit and elapsed > time_limit:
-            if not any((r.skip or "").startswith("time limit") for r in rows):
-                log(f"time limit {time_limit:g} s reached: skipping the last {n - i} measurements")
-            row.skip = f"time limit reached (--time-limit {time_limit:g} s)"
-            rows.append(row)
-            continue
-        if it.inputs != current:
-            if checkpoint and rows:
-                checkpoint(compute_ratios(rows))
-            x = None
-            gc.collect()
-            if _cuda():
-                torch.cuda.empty_cache()
-            current = it.inputs
-            try:
-                x, x_err = plan.inputs[it.inputs](), None
-            except Exception as e:  # noqa: BLE001 - every item of this input set is skipped
-                x, x_err = None, "inputs: " + _reason(e, [])
-        if x_err is not None:
-            row.skip = x_err
-        else:
-            run_item(it, x, quick, timer)
-        rows.append(row)
-        compute_ratios(rows)
-        res = (f"{row.ms:9.3f} ms {_fmt(row.tflops, '7.1f'):>7} TFLOP/s"
-               + ("" if row.peak_mib is None else f" {row.peak_mib:7.0f} MiB")
-               + ("" if row.ratio is None or row.variant == row.baseline else f"  ratio {row.ratio:.3f}"
-                  + ("" if row.ideal is None else f" (ideal {row.ideal:.3f})"))
-               if row.skip is None else f"skipped: {row.skip[:110]}")
-        log(f"[{i + 1:3d}/{n} {elapsed:5.0f}s] {row.case:<9} {(row.group or row.dims)[:20]:<20} {row.variant[:22]:<22} "
-            f"{row.mode:<7} {row.tangents:<5} {res}")
-    x = None
+    """Every item of ``plan`` in order (:func:`benchmarks.harness.run_items`); past ``time_limit``
+    seconds (0: none) of ``clock`` the remaining ones are recorded as skipped. Inputs are made when
+    an item needs a new input set (the previous set is freed first); ``checkpoint(rows)`` runs
+    before each new set."""
+    label = lambda r: f"{r.case:<9} {(r.group or r.dims)[:20]:<20} {r.variant[:22]:<22} {r.mode:<7} {r.tangents:<5}"
+    note = lambda r: ("" if r.ratio is None or r.variant == r.baseline else f"  ratio {r.ratio:.3f}"
+                      + ("" if r.ideal is None else f" (ideal {r.ideal:.3f})"))
+    rows = run_items(plan.items, plan.inputs, label=label, note=note, annotate=compute_ratios, quick=quick,
+                     time_limit=time_limit, log=log, clock=clock, timer=timer, checkpoint=checkpoint)
     return compute_ratios(rows)
 
 
@@ -598,16 +478,13 @@ def select_cases(keys: list[str] | None) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m flashjvp.bench_masks",
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_masks",
                                  description="Benchmark flashjvp's varlen, window, key-padding and masked "
                                              "SDPA paths; see benchmarks/README.md.",
                                  epilog="cases (run in the order 1, 3, 2, 4): "
                                         + ", ".join(f"{i}={c}" for i, c in CASE_NUMBERS.items()))
     ap.add_argument("--cases", nargs="+", help="case numbers or names (space/comma separated); default all")
-    ap.add_argument("--quick", action="store_true", help="fewer do_bench repetitions (5 ms warmup, 20 ms)")
-    ap.add_argument("--time-limit", type=float, default=240.0,
-                    help="seconds after which remaining measurements are skipped (0: no limit; default 240)")
-    ap.add_argument("--out", type=Path, help="output folder; default benchmarks/results/<gpu-name-slug>/")
+    add_run_options(ap, time_limit=240.0)
     ap.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # CPU smoke test, tiny shapes
     return ap
 
@@ -626,26 +503,18 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype, sizes, timer = "cpu", torch.float32, TINY, measure_cpu
         gpu = "cpu (--tiny: " + ("Triton interpreter" if interpreting() else "math reference path") + ")"
     elif not torch.cuda.is_available():
-        print("flashjvp.bench_masks needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks.bench_masks needs a CUDA GPU", file=sys.stderr)
         return 2
     else:
         device, dtype, sizes, timer = "cuda", torch.bfloat16, FULL, None
         gpu = torch.cuda.get_device_name()
     torch.manual_seed(0)
     plan = make_plan(cases, sizes, device, dtype)
-    meta = {**run_metadata(gpu, "flashjvp.bench_masks", argv),
+    meta = {**run_metadata(gpu, "benchmarks.bench_masks", argv),
             "dtype": str(dtype).removeprefix("torch."), "quick": args.quick, "time_limit": args.time_limit,
             "autotune": os.environ.get("FLASHJVP_AUTOTUNE", "1"), "cases": plan.cases, "sizes": asdict(sizes)}
-    out = args.out or results_dir(gpu)
-    t0 = time.perf_counter()
-    rows = run(plan, quick=args.quick, time_limit=args.time_limit, timer=timer,
-               log=lambda line: print(line, flush=True),
-               checkpoint=lambda rows: write_report(rows, {**meta, "partial": True}, out))
-    meta["wall_s"] = round(time.perf_counter() - t0, 1)
-    paths = write_report(rows, meta, out)
-    print("\n" + format_report(rows, meta))
-    print("wrote " + ", ".join(str(p) for p in paths.values()) + f" ({meta['wall_s']:.0f} s)")
-    return 0
+    measure = lambda **kw: run(plan, quick=args.quick, time_limit=args.time_limit, timer=timer, **kw)
+    return REPORT.run(measure, meta, args.out or results_dir(gpu))
 
 
 if __name__ == "__main__":
