@@ -366,6 +366,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer correctness cases, the shortest scaling N only")
     ap.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<gpu-slug>-x<P>)")
     ap.add_argument("--time-limit", type=float, default=None, help="seconds per part; later rows are skipped")
+    ap.add_argument("--correctness-only", action="store_true", help="skip the scaling part")
     ap.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
     args = ap.parse_args(argv)
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -378,7 +379,9 @@ def main(argv=None):
         device = torch.device("cuda") if cuda else torch.device("cpu")
         dtype = torch.bfloat16 if cuda else torch.float32
         correct = correctness(rank, world, device, dtype, quick=args.quick, time_limit=args.time_limit)
-        if cuda:
+        if args.correctness_only:
+            scale = "skipped: --correctness-only."
+        elif cuda:
             seq = SCALING_SEQ_LENS[:1] if args.quick else SCALING_SEQ_LENS
             scale = scaling(rank, world, seq, time_limit=args.time_limit)
         else:
