@@ -134,7 +134,7 @@ def build_wan(cfg: dict, b: int, device) -> Case:
         model = WanTransformer3DModel(**cfg).to(device).train()
     x = torch.randn(b, cfg["in_channels"], f, hgt, wid, device=device)
     ctx = torch.randn(b, text, cfg["text_dim"], device=device)
-    fn = lambda x, t: model(x, timestep=1000 * t, encoder_hidden_states=ctx).sample
+    fn = lambda x, t: model(x, timestep=1000 * t, encoder_hidden_states=ctx.to(x.dtype)).sample
     grid = (f, hgt // cfg["patch_size"][1], wid // cfg["patch_size"][2])
     dims = (f"depth {cfg['num_layers']}, B{b}, N{grid[0] * grid[1] * grid[2]} ({grid}) + {text} text tokens, "
             f"H{cfg['num_attention_heads']}x{cfg['attention_head_dim']}, ffn {cfg['ffn_dim']}")
