@@ -220,3 +220,25 @@ def test_kv_blocks_per_launch_refused(value, error, match):
         ring_attention(q, q, q, kv_blocks_per_launch=value)
     with pytest.raises(error, match=match):
         ring_attention_jvp(q, q, q, q, kv_blocks_per_launch=value)
+
+
+def test_ring_batching_benchmark_on_cpu(capsys):
+    """benchmarks.sequence_parallel_model's --ring-batching rows at tiny sizes with the CPU timer:
+    the automatic kv_blocks_per_launch launches fewer kernels than one per shard; without CUDA the
+    command refuses with a message."""
+    import argparse
+
+    from benchmarks import sequence_parallel_model as spm
+    from benchmarks.harness import measure_cpu
+
+    args = argparse.Namespace(seq_lens=[32], ranks=[4], batch=1, heads=2, dim=16, tflops=580.0, quick=True,
+                              time_limit=0)
+    rows = spm.ring_batching_rows(args, device="cpu", dtype=torch.float32, timer=measure_cpu)
+    assert [(r["causal"], r["setting"]) for r in rows] == [(False, "1"), (False, "auto"), (True, "1"), (True, "auto")]
+    assert all("skip" not in r for r in rows), rows
+    assert rows[0]["launches"] == 4 and rows[1]["launches"] == 1 and rows[3]["launches"] < rows[2]["launches"]
+    assert "| 32 | 4 | False | 8 | auto (4) | 1 |" in spm.ring_batching_markdown(rows, {"gpu": "cpu", "command": ""},
+                                                                                   args)
+    if not torch.cuda.is_available():
+        assert spm.main(["--ring-batching"]) == 1
+        assert "CUDA GPU" in capsys.readouterr().err
