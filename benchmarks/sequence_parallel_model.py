@@ -4,7 +4,8 @@ For each whole sequence length N and rank count P the model takes, per rank and 
 
 * compute: the forward+JVP kernel time of the rank's work. Ulysses: the whole sequence for H/P
   heads, one launch. Ring: P launches of an (N/P queries x N/P keys) block for all H heads (a
-  causal zig-zag ring does half of that work on every rank). With ``--measure`` (a CUDA GPU) the
+  causal zig-zag ring does half of that work on every rank), as the ring runs with
+  ``kv_blocks_per_launch=1``. With ``--measure`` (a CUDA GPU) the
   kernel times are measured with ``triton.testing.do_bench`` at exactly those shapes; otherwise
   they are the FLOPs over ``--tflops`` (a rate measured elsewhere, e.g. the suite's).
 * communication, bytes sent per rank: Ulysses moves q, k, v, their tangents and o, to through

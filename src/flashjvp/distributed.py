@@ -513,10 +513,10 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhn
             Every rank's shards have the same length; GQA as in :func:`flashjvp.attention`.
         group: the process group (default: the world).
         kv_blocks_per_launch: ``g``, the number of received kv shards each forward launch covers:
-            the ring still moves one shard per hop (the transfer overlapping the kernels), but a
-            rank holds the shards it receives and every ``g`` of them runs one launch per query
-            chunk over the concatenation of their visible keys, then one merge. Small shards
-            (many ranks) are launch-bound one by one. ``None`` (the default) picks ``g`` from the
+            the ring still moves one shard per hop, but a rank holds the shards it receives and
+            every ``g`` of them runs one launch per query chunk over the concatenation of their
+            visible keys, then one merge; the launch overlaps the hop in flight when it starts.
+            Small shards (many ranks) are launch-bound one by one. ``None`` (the default) picks ``g`` from the
             shard length, enough shards for about 4096 keys per launch, at most the group size;
             ``1`` is one launch per shard; values above the group size act as the group size.
             Memory: the buffer holds ``g`` shards of k, v (and their tangents) and, at each
