@@ -119,7 +119,7 @@ def ring_batching_markdown(rows, meta, args) -> str:
     from benchmarks.harness import md_table
 
     f = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
-    table = md_table(["N", "P", "causal", "keys/shard", "kv_blocks_per_launch (g)", "launches", "ms",
+    table = md_table(["N", "P", "causal", "keys/shard", "kv_blocks_per_launch (g)", "flashjvp launches", "ms",
                       f"FLOPs at {args.tflops:g} TFLOP/s, ms", "speedup vs g = 1", "peak MiB", "note"],
                      [[str(r["n"]), str(r["ranks"]), str(r["causal"]), str(r["shard_keys"]),
                        f"{r['setting']} ({r['blocks_per_launch']})", f(r["launches"], "d"), f(r["ms"], ".3f"),
