@@ -260,8 +260,9 @@ def _ring_step(tensors, group):
     return recv, dist.batch_isend_irecv(ops)
 
 
-# Keys per launch that the automatic ``kv_blocks_per_launch`` aims at: below a few thousand keys a
-# block's launch and the float32 merge after it cost more than its FLOPs (docs/integration.md).
+# Keys per launch that the automatic ``kv_blocks_per_launch`` aims at: small blocks are bound by
+# their launch and the float32 merge after it, not by their FLOPs (docs/integration.md, the ring
+# at many ranks), and a few thousand keys per launch amortise both.
 _KEYS_PER_LAUNCH = 4096
 
 
