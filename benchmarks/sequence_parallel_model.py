@@ -4,7 +4,8 @@ For each whole sequence length N and rank count P the model takes, per rank and 
 
 * compute: the forward+JVP kernel time of the rank's work. Ulysses: the whole sequence for H/P
   heads, one launch. Ring: P launches of an (N/P queries x N/P keys) block for all H heads (a
-  causal zig-zag ring does half of that work on every rank). With ``--measure`` (a CUDA GPU) the
+  causal zig-zag ring does half of that work on every rank), as the ring runs with
+  ``kv_blocks_per_launch=1``. With ``--measure`` (a CUDA GPU) the
   kernel times are measured with ``triton.testing.do_bench`` at exactly those shapes; otherwise
   they are the FLOPs over ``--tflops`` (a rate measured elsewhere, e.g. the suite's).
 * communication, bytes sent per rank: Ulysses moves q, k, v, their tangents and o, to through
@@ -13,11 +14,20 @@ For each whole sequence length N and rank count P the model takes, per rank and 
 * total: Ulysses compute + communication (the exchanges and the kernel do not overlap);
   ring max(compute, communication) (the transfer of the next shard runs during the kernel).
 
-    python benchmarks/sequence_parallel_model.py --tflops 580                 # no GPU: FLOP model
-    PYTHONPATH=src python benchmarks/sequence_parallel_model.py --measure    # on one GPU
+With ``--ring-batching`` (one CUDA GPU, no torch.distributed) it times instead one rank's ring
+compute, forward+JVP, as the ring runs it (``flashjvp.distributed._rank_compute`` fed the P kv
+shards a rank receives; the communication is not simulated) for ``kv_blocks_per_launch`` 1 (a
+launch and a merge per shard) against the automatic choice (several shards per launch), causal
+zig-zag and not, at N = 32768 and P = 8, 16, 32, 64 by default; writes ring_batching.{json,md}.
+
+    python -m benchmarks.sequence_parallel_model --tflops 580                      # no GPU: FLOP model
+    PYTHONPATH=src python -m benchmarks.sequence_parallel_model --measure          # on one GPU
+    FLASHJVP_AUTOTUNE=0 PYTHONPATH=src python -m benchmarks.sequence_parallel_model --ring-batching
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 
 def flops_fwd_jvp(b, h, nq, nk, d, causal) -> float:
@@ -53,10 +63,106 @@ def project(n, p, args):
     return ulysses, (ring_compute, ring_comm, max(ring_compute, ring_comm))
 
 
-def main():
+def ring_batching_rows(args, device="cuda", dtype=None, timer=None) -> list[dict]:
+    """Rows of one rank's ring compute (forward+JVP, rank 0 of P) for kv_blocks_per_launch 1 and
+    automatic, causal and not, over the P shards it receives; ``timer(fn, leaves, quick)`` as
+    ``benchmarks.harness.measure`` (the default; ``measure_cpu`` for a CPU smoke run)."""
+    import functools
+    import time
+
+    import torch
+
+    from benchmarks.harness import measure
+    from flashjvp._launch import LaunchLog
+    from flashjvp.distributed import _blocks_per_launch, _rank_compute
+
+    timer, dtype = timer or measure, dtype or torch.bfloat16
+    b, h, d = args.batch, args.heads, args.dim
+    rows, t0 = [], time.perf_counter()
+    for n in args.seq_lens:
+        whole = [torch.randn(b, n, h, d, device=device, dtype=dtype) for _ in range(6)]  # q k v tq tk tv
+        for causal in (False, True):
+            for p in args.ranks:
+                m, rank = n // p, 0
+                q, tq = whole[0][:, :m], whole[3][:, :m]
+                # the shards in the ring's arrival order; the work depends on their source ranks only
+                shards = [(src, tuple(x[:, src * m:(src + 1) * m] for x in whole[1:3] + whole[4:]))
+                          for src in ((rank - step) % p for step in range(p))]
+                base = None
+                for g in (1, None):
+                    row = dict(n=n, ranks=p, causal=causal, shard_keys=m, setting="1" if g == 1 else "auto",
+                               blocks_per_launch=_blocks_per_launch(g, m, p), launches=None, ms=None, speedup=None,
+                               peak_mib=None, flops_ms=flops_fwd_jvp(b, h, m, n, d, causal) / (args.tflops * 1e9))
+                    if args.time_limit and time.perf_counter() - t0 > args.time_limit:
+                        row["skip"] = f"time limit reached (--time-limit {args.time_limit:g} s)"
+                        rows.append(row)
+                        continue
+                    fn = functools.partial(_rank_compute, q, tq, shards, rank, p, causal, d ** -0.5, g)
+                    try:
+                        row["ms"], row["peak_mib"], _ = timer(fn, [], args.quick)
+                        with LaunchLog() as log:
+                            fn()
+                        row["launches"] = len(log.launches)
+                        base = row["ms"] if g == 1 else base
+                        row["speedup"] = base / row["ms"] if base else None
+                    except Exception as e:  # noqa: BLE001 - recorded in the row, the run goes on
+                        row["skip"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+                    rows.append(row)
+                    print(row, flush=True)
+        del whole
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def ring_batching_markdown(rows, meta, args) -> str:
+    from benchmarks.harness import md_table
+
+    f = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+    table = md_table(["N", "P", "causal", "keys/shard", "kv_blocks_per_launch (g)", "flashjvp launches", "ms",
+                      f"FLOPs at {args.tflops:g} TFLOP/s, ms", "speedup vs g = 1", "peak MiB", "note"],
+                     [[str(r["n"]), str(r["ranks"]), str(r["causal"]), str(r["shard_keys"]),
+                       f"{r['setting']} ({r['blocks_per_launch']})", f(r["launches"], "d"), f(r["ms"], ".3f"),
+                       f(r["flops_ms"], ".3f"), f(r["speedup"], ".2f"), f(r["peak_mib"], ".0f"), r.get("skip", "")]
+                      for r in rows])
+    return (f"# One rank's ring compute, forward+JVP, by kv_blocks_per_launch\n\n{meta['gpu']}, "
+            f"B{args.batch} H{args.heads} D{args.dim} bf16, rank 0 of P simulated on one GPU (its compute loop "
+            f"over the P shards it receives, no communication); `{meta['command']}`\n\n{table}\n")
+
+
+def ring_batching(args, argv) -> int:
+    """``--ring-batching``: the rows measured on this CUDA GPU, printed and written to
+    ``--out``/ring_batching.{json,md}."""
+    import json
+    import time
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("sequence_parallel_model --ring-batching times kernels on a CUDA GPU; none is visible "
+              "(the FLOP model runs without --ring-batching)", file=sys.stderr)
+        return 1
+    from benchmarks.harness import results_dir, run_metadata
+
+    gpu = torch.cuda.get_device_name()
+    out = args.out or results_dir(gpu)
+    meta = run_metadata(gpu, "benchmarks.sequence_parallel_model", argv)
+    t0 = time.perf_counter()
+    rows = ring_batching_rows(args)
+    meta["wall_s"] = round(time.perf_counter() - t0, 1)
+    md = ring_batching_markdown(rows, meta, args)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ring_batching.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    (out / "ring_batching.md").write_text(md)
+    print("\n" + md + f"\nwrote {out / 'ring_batching.json'}, {out / 'ring_batching.md'} ({meta['wall_s']:.0f} s)")
+    return 0
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072, 262144])
-    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
+    ap.add_argument("--seq-lens", type=int, nargs="+",
+                    help="default 32768 65536 131072 262144; with --ring-batching 32768")
+    ap.add_argument("--ranks", type=int, nargs="+", help="default 8 64; with --ring-batching 8 16 32 64")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--dim", type=int, default=128)
@@ -66,7 +172,18 @@ def main():
                     help="per-GPU one-way bandwidth in GB/s for each --ranks entry (NVLink in a node, "
                          "400 Gb/s InfiniBand across nodes)")
     ap.add_argument("--measure", action="store_true", help="time the kernels on this CUDA GPU")
-    args = ap.parse_args()
+    ap.add_argument("--ring-batching", action="store_true",
+                    help="time one rank's ring compute for kv_blocks_per_launch 1 and automatic on this CUDA GPU "
+                         "(causal and not; --causal is ignored)")
+    ap.add_argument("--quick", action="store_true", help="--ring-batching: fewer do_bench repetitions")
+    ap.add_argument("--time-limit", type=float, default=50.0,
+                    help="--ring-batching: seconds after which the remaining rows are skipped (0: no limit)")
+    ap.add_argument("--out", type=Path, help="--ring-batching: output folder; default benchmarks/results/<gpu-slug>/")
+    args = ap.parse_args(argv)
+    if args.ring_batching:
+        args.seq_lens, args.ranks = args.seq_lens or [32768], args.ranks or [8, 16, 32, 64]
+        return ring_batching(args, sys.argv[1:] if argv is None else argv)
+    args.seq_lens, args.ranks = args.seq_lens or [32768, 65536, 131072, 262144], args.ranks or [8, 64]
     links = dict(zip(args.ranks, args.link_gbs + args.link_gbs[-1:] * len(args.ranks)))
     print(f"B{args.batch} H{args.heads} D{args.dim} bf16 forward+JVP, causal={args.causal}; compute "
           + ("measured on this GPU" if args.measure else f"from FLOPs at {args.tflops:g} TFLOP/s"))
@@ -78,7 +195,8 @@ def main():
             ul, ring = project(n, p, a)
             fmt = lambda t: " / ".join(f"{x:.2f}" for x in t)  # noqa: E731
             print(f"| {n} | {p} | {links[p]:g} | {fmt(ul) if ul else 'H % P != 0'} | {fmt(ring)} |")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

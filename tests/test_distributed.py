@@ -82,6 +82,8 @@ def _worker(rank, world, path):
         _check_case(GQA_CASE, rank, world)
         _check_ring(CASE, rank, world)
         _check_ring(GQA_CASE, rank, world)
+        _check_ring_batching(CASE, rank, world)
+        _check_ring_batching(GQA_CASE, rank, world)
         q = torch.randn(1, 4 + rank, 4, 16)  # shards of different lengths
         with pytest.raises(ValueError, match="same length"):
             ulysses_attention(q, q, q, layout="bnhd")
@@ -147,3 +149,96 @@ def test_zigzag_round_trip(world):
 
     x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
     assert torch.equal(zigzag_unshard([zigzag_shard(x, rank, world, dim=1) for rank in range(world)], dim=1), x)
+
+
+def _ring_truth(case, seed, rank, world):
+    """(xs, shard, (o, to) float64 and float32 references of this rank's shard)."""
+    from flashjvp.distributed import zigzag_shard
+
+    causal = case[5]
+    shard = (lambda x: zigzag_shard(x, rank, world, layout="bnhd")) if causal else (lambda x: _shard(x, rank, world))
+    xs = _full(case, seed=seed)
+
+    def reference(dtype):
+        prim, tans = tuple(x.to(dtype) for x in xs[:3]), tuple(t.to(dtype) for t in xs[3:])
+        o, to = torch.func.jvp(lambda *a: flashjvp.attention_ref(*a, causal=causal, layout="bnhd"), prim, tans)
+        return shard(o), shard(to)
+
+    return xs, shard, reference(torch.float64), reference(torch.float32)
+
+
+def _check_ring_batching(case, rank, world):
+    """ring_attention_jvp with kv_blocks_per_launch 1, 2, world and automatic against the float64
+    reference, and the launches each makes: per query chunk one per g shards (plus the causal
+    diagonal's own)."""
+    from flashjvp.distributed import ring_attention_jvp
+
+    causal = case[5]
+    xs, shard, truth, lowp = _ring_truth(case, sum(case[:5]) + 2, rank, world)
+    for g in (1, 2, world, None):
+        with LaunchLog() as log:
+            o, to = ring_attention_jvp(*[shard(x) for x in xs], causal=causal, layout="bnhd", kv_blocks_per_launch=g)
+        for name, got, t, lp in (("o", o, truth[0], lowp[0]), ("to", to, truth[1], lowp[1])):
+            assert_close(f"ring rank {rank} g={g} {name}", got, t, lp, torch.float32)
+        if g == world and not causal:
+            assert len(log.launches) == 1, f"g = world: one launch over every shard, got {len(log.launches)}"
+        if g == world and causal:  # two diagonal blocks, then at most one launch per query chunk
+            assert len(log.launches) <= 4, f"g = world, causal: at most 4 launches, got {len(log.launches)}"
+        if g == 1 and not causal:
+            assert len(log.launches) == world, f"g = 1: one launch per shard, got {len(log.launches)}"
+
+
+@pytest.mark.parametrize("case", [CASE, GQA_CASE], ids=["plain", "gqa-causal"])
+@pytest.mark.parametrize("g", [1, 3, None])
+def test_rank_compute_without_group(case, g):
+    """The compute of one rank's ring steps, fed a list of shards and no process group (as
+    benchmarks.sequence_parallel_model calls it), against the float64 reference."""
+    from flashjvp.distributed import _rank_compute, zigzag_shard
+
+    world, rank, causal = 4, 1, case[5]
+    xs, shard, truth, lowp = _ring_truth(case, sum(case[:5]) + 3, rank, world)
+    cut = (lambda x, r: zigzag_shard(x, r, world, layout="bnhd")) if causal else (lambda x, r: _shard(x, r, world))
+    srcs = [(rank - step) % world for step in range(world)]  # the ring's arrival order
+    shards = [(src, tuple(cut(x, src) for x in (xs[1], xs[2], xs[4], xs[5]))) for src in srcs]
+    o, to, _, _ = _rank_compute(shard(xs[0]), shard(xs[3]), shards, rank, world, causal, case[4] ** -0.5, g)
+    for name, got, t, lp in (("o", o, truth[0], lowp[0]), ("to", to, truth[1], lowp[1])):
+        assert_close(f"rank compute g={g} {name}", got, t, lp, torch.float32)
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (0, ValueError, r"^kv_blocks_per_launch: expected an int >= 1 or None \(automatic\), got 0$"),
+    (-2, ValueError, r"^kv_blocks_per_launch: expected an int >= 1 or None \(automatic\), got -2$"),
+    (2.0, TypeError, r"^kv_blocks_per_launch: expected an int >= 1 or None \(automatic\), got float$"),
+    (True, TypeError, r"^kv_blocks_per_launch: expected an int >= 1 or None \(automatic\), got bool$"),
+])
+def test_kv_blocks_per_launch_refused(value, error, match):
+    """A bad kv_blocks_per_launch raises before any exchange (no process group needed)."""
+    from flashjvp.distributed import ring_attention, ring_attention_jvp
+
+    q = torch.randn(1, 2, 8, 8)
+    with pytest.raises(error, match=match):
+        ring_attention(q, q, q, kv_blocks_per_launch=value)
+    with pytest.raises(error, match=match):
+        ring_attention_jvp(q, q, q, q, kv_blocks_per_launch=value)
+
+
+def test_ring_batching_benchmark_on_cpu(capsys):
+    """benchmarks.sequence_parallel_model's --ring-batching rows at tiny sizes with the CPU timer:
+    the automatic kv_blocks_per_launch launches fewer kernels than one per shard; without CUDA the
+    command refuses with a message."""
+    import argparse
+
+    from benchmarks import sequence_parallel_model as spm
+    from benchmarks.harness import measure_cpu
+
+    args = argparse.Namespace(seq_lens=[32], ranks=[4], batch=1, heads=2, dim=16, tflops=580.0, quick=True,
+                              time_limit=0)
+    rows = spm.ring_batching_rows(args, device="cpu", dtype=torch.float32, timer=measure_cpu)
+    assert [(r["causal"], r["setting"]) for r in rows] == [(False, "1"), (False, "auto"), (True, "1"), (True, "auto")]
+    assert all("skip" not in r for r in rows), rows
+    assert rows[0]["launches"] == 4 and rows[1]["launches"] == 1 and rows[3]["launches"] < rows[2]["launches"]
+    assert "| 32 | 4 | False | 8 | auto (4) | 1 |" in spm.ring_batching_markdown(rows, {"gpu": "cpu", "command": ""},
+                                                                                   args)
+    if not torch.cuda.is_available():
+        assert spm.main(["--ring-batching"]) == 1
+        assert "CUDA GPU" in capsys.readouterr().err

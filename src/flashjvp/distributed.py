@@ -10,7 +10,9 @@ Each rank of ``group`` holds a shard of the sequence of q, k and v.
   while each rank attends its queries to the shard it holds; the partial results are merged
   exactly with their log-sum-exp and its tangent (docs/math.md, "Merging results over key
   shards"). Causal attention uses the zig-zag layout (:func:`zigzag_shard`) so that every rank
-  does the same work. The backward passes dK, dV around the ring with the keys and values.
+  does the same work. A rank holds the shards it receives and attends to several at a time, one
+  launch over their keys (``kv_blocks_per_launch``). The backward passes dK, dV around the ring
+  with the keys and values, one shard at a time.
 
 Both work under ``torch.func.jvp`` and ``forward_ad`` (fused forward+JVP kernel per rank and
 shard) and backward.
@@ -258,33 +260,127 @@ def _ring_step(tensors, group):
     return recv, dist.batch_isend_irecv(ops)
 
 
-def _ring_forward(q, k, v, tq, tk, tv, group, causal, scale):
-    """Ring attention on bnhd shards: ``(o, to, lse, mu)``, ``to``/``mu`` None without tangents.
-    The next shard's transfer runs while the kernels work on the present one."""
+# Keys per launch that the automatic ``kv_blocks_per_launch`` aims at: small blocks are bound by
+# their launch and the float32 merge after it, not by their FLOPs (docs/integration.md, the ring
+# at many ranks), and a few thousand keys per launch amortise both.
+_KEYS_PER_LAUNCH = 4096
+
+
+def _blocks_per_launch(kv_blocks_per_launch, shard_keys: int, world: int) -> int:
+    """``g``: how many received kv shards one launch covers. None picks enough shards for
+    ``_KEYS_PER_LAUNCH`` keys; any value is capped at ``world`` (a rank sees ``world`` shards)."""
+    g = kv_blocks_per_launch
+    if g is None:
+        g = -(-_KEYS_PER_LAUNCH // max(shard_keys, 1))
+    return max(1, min(g, world))
+
+
+def _check_blocks_per_launch(kv_blocks_per_launch):
+    if kv_blocks_per_launch is None:
+        return
+    if isinstance(kv_blocks_per_launch, bool) or not isinstance(kv_blocks_per_launch, int):
+        raise TypeError(f"kv_blocks_per_launch: expected an int >= 1 or None (automatic), "
+                        f"got {type(kv_blocks_per_launch).__name__}")
+    if kv_blocks_per_launch < 1:
+        raise ValueError(f"kv_blocks_per_launch: expected an int >= 1 or None (automatic), "
+                         f"got {kv_blocks_per_launch}")
+
+
+def _cat_keys(xs):
+    """The concatenation of key blocks along the sequence (bnhd dim 1); one block as it is."""
+    if xs[0] is None:
+        return None
+    return xs[0] if len(xs) == 1 else torch.cat(xs, dim=1)
+
+
+class _RankCompute:
+    """One rank's ring compute over the kv shards it receives, without the communication: feed
+    ``add(src, (k, v, tk, tv))`` the shards in arrival order (bnhd, absent tangents None), then
+    ``result(dtype)`` -> ``(o, to, lse, mu)``.
+
+    The shards are held in a buffer and every ``g`` of them one ``attention_jvp`` launch per q
+    chunk covers the concatenation of their visible kv chunks (then one merge): at small shards
+    a launch per shard is bound by launch overhead, not by its FLOPs. With ``causal`` (zig-zag)
+    the diagonal blocks (``src == rank``) are their own causal calls, run on arrival."""
+
+    def __init__(self, q, tq, rank, world, causal, scale, g, jvp):
+        self.q, self.tq, self.rank, self.world, self.causal, self.scale = q, tq, rank, world, causal, scale
+        self.g, self.jvp = g, jvp
+        self.halves = [None] if not causal else [0, 1]
+        self.merged = {i: _MergedRows() for i in self.halves}
+        self.buffer = []  # (blocks [(i, j)], (k, v, tk, tv)) of the shards not yet attended to
+
+    def _call(self, i, k, v, tk, tv, diag):
+        out = flashjvp.attention_jvp(_chunk(self.q, i), k, v, _chunk(self.tq, i), tk, tv, causal=diag,
+                                     scale=self.scale, layout="bnhd", return_lse=True)
+        self.merged[i].add(out[0], out[1] if self.jvp else None, out[2], out[3])
+
+    def add(self, src, kv):
+        blocks = []
+        for i, j, diag in _ring_blocks(self.rank, src, self.world, self.causal):
+            if diag:
+                self._call(i, *(_chunk(x, j) for x in kv), diag=True)
+            else:
+                blocks.append((i, j))
+        self.buffer.append((blocks, kv))
+        if len(self.buffer) >= self.g:
+            self.flush()
+
+    def flush(self):
+        for i in self.halves:
+            parts = [[_chunk(x, j) for x in kv] for blocks, kv in self.buffer for bi, j in blocks if bi == i]
+            if parts:
+                self._call(i, *(_cat_keys(xs) for xs in zip(*parts)), diag=False)
+        self.buffer = []
+
+    def result(self, dtype):
+        self.flush()
+        parts = [self.merged[i].result(dtype) for i in self.halves]
+        if len(parts) == 1:
+            return parts[0]
+        o, to, lse, mu = zip(*parts)
+        cat = lambda xs, d: None if xs[0] is None else torch.cat(xs, dim=d)  # noqa: E731
+        return cat(o, 1), cat(to, 1), cat(lse, 2), cat(mu, 2)
+
+
+def _rank_compute(q, tq, shards, rank, world, causal, scale, kv_blocks_per_launch=None):
+    """``(o, to, lse, mu)`` of rank ``rank``'s bnhd queries against ``shards``, an iterable of
+    ``(src, (k, v, tk, tv))`` in arrival order (a list, or the ring's transfers): the compute of
+    a rank's ring steps, callable without a process group (benchmarks.sequence_parallel_model)."""
+    compute = None
+    for src, kv in shards:
+        if compute is None:
+            g = _blocks_per_launch(kv_blocks_per_launch, kv[0].shape[1], world)
+            jvp = tq is not None or any(t is not None for t in kv[2:])
+            compute = _RankCompute(q, tq, rank, world, causal, scale, g, jvp)
+        compute.add(src, kv)
+    return compute.result(q.dtype)
+
+
+def _ring_shards(k, v, tk, tv, group):
+    """The kv shards this rank sees, ``(src, (k, v, tk, tv))``, in ring order: each is yielded
+    after its transfer to the next rank has started, and the next one's receive is waited on
+    only when the consumer asks for it, so the transfer runs while the consumer computes."""
     world, rank = _world(group), dist.get_rank(group)
-    halves = [None] if not causal else [0, 1]
-    merged = {i: _MergedRows() for i in halves}
-    kv = [x.contiguous() for x in (k, v, tk, tv) if x is not None]  # sent as they are
     present = [x is not None for x in (k, v, tk, tv)]
-    jvp = tq is not None or tk is not None or tv is not None
+    kv = [x.contiguous() for x in (k, v, tk, tv) if x is not None]  # sent as they are
     for step in range(world):
-        src = (rank - step) % world
         pending = _ring_step(kv, group) if step < world - 1 else None
-        bk, bv, btk, btv = _unpack(kv, present)
-        for i, j, diag in _ring_blocks(rank, src, world, causal):
-            out = flashjvp.attention_jvp(_chunk(q, i), _chunk(bk, j), _chunk(bv, j), _chunk(tq, i), _chunk(btk, j),
-                                         _chunk(btv, j), causal=diag, scale=scale, layout="bnhd", return_lse=True)
-            merged[i].add(out[0], out[1] if jvp else None, out[2], out[3])
+        yield (rank - step) % world, tuple(_unpack(kv, present))
         if pending is not None:
-            kv, reqs = pending
+            kv, reqs = pending  # fresh buffers: the shards yielded before stay valid
             for req in reqs:
                 req.wait()
-    parts = [merged[i].result(q.dtype) for i in halves]
-    if len(parts) == 1:
-        return parts[0]
-    o, to, lse, mu = zip(*parts)
-    cat = lambda xs, d: None if xs[0] is None else torch.cat(xs, dim=d)  # noqa: E731
-    return cat(o, 1), cat(to, 1), cat(lse, 2), cat(mu, 2)
+
+
+def _ring_forward(q, k, v, tq, tk, tv, group, causal, scale, kv_blocks_per_launch=None):
+    """Ring attention on bnhd shards: ``(o, to, lse, mu)``, ``to``/``mu`` None without tangents.
+    The next shard's transfer runs while the kernels work on the present ones (every
+    ``kv_blocks_per_launch`` shards, :class:`_RankCompute`)."""
+    jvp = tq is not None or tk is not None or tv is not None
+    out = _rank_compute(q, tq, _ring_shards(k, v, tk, tv, group), dist.get_rank(group), _world(group), causal,
+                        scale, kv_blocks_per_launch)
+    return out if jvp else (out[0], None, out[2], None)
 
 
 def _unpack(kv, present):
@@ -295,7 +391,9 @@ def _unpack(kv, present):
 def _ring_backward(do, q, k, v, o, lse, group, causal, scale):
     """Gradients of ring attention's ``o``: dQ stays, dK and dV travel around the ring with their
     keys and values and arrive back at their rank after a full turn. Each block's gradients come
-    from the merged ``o`` and ``lse`` (the FlashAttention-2 backward is exact block by block)."""
+    from the merged ``o`` and ``lse`` (the FlashAttention-2 backward is exact block by block).
+    Shard by shard, unlike the forward: each shard's dK, dV must be complete before it moves on,
+    so batching shards here would hold their gradients back for ``g`` hops."""
     world, rank = _world(group), dist.get_rank(group)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     travel = [k.contiguous(), v.contiguous(), torch.zeros(k.shape, dtype=torch.float32, device=k.device),
@@ -334,16 +432,16 @@ class _Ring(torch.autograd.Function):
     and fills ``o`` in place), ``backward`` the gradient ring."""
 
     @staticmethod
-    def forward(q, k, v, group, causal, scale, defer):
+    def forward(q, k, v, group, causal, scale, defer, blocks):
         if defer:
             b, n, h, _ = q.shape
             return q.new_empty(b, n, h, v.shape[-1]), q.new_empty(b, h, n, dtype=torch.float32)
-        o, _, lse, _ = _ring_forward(q, k, v, None, None, None, group, causal, scale)
+        o, _, lse, _ = _ring_forward(q, k, v, None, None, None, group, causal, scale, blocks)
         return o, lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, ctx.group, ctx.causal, ctx.scale, ctx.defer = inputs
+        q, k, v, ctx.group, ctx.causal, ctx.scale, ctx.defer, ctx.blocks = inputs
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(output[1])
         ctx.save_for_backward(q, k, v, *output)
@@ -352,7 +450,7 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tq, tk, tv, *_):
         q, k, v, o, lse = ctx.saved_tensors
-        o_, to, lse_, _ = _ring_forward(q, k, v, tq, tk, tv, ctx.group, ctx.causal, ctx.scale)
+        o_, to, lse_, _ = _ring_forward(q, k, v, tq, tk, tv, ctx.group, ctx.causal, ctx.scale, ctx.blocks)
         if to is not None:  # a gradient reaching the tangent must not vanish: it raises
             to = _TangentWithoutGrad.apply(to, q, k, v, tq, tk, tv)
         if ctx.defer:  # fill forward's outputs through their storage, as a kernel writes them:
@@ -364,9 +462,9 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         if do is None:
-            return (None,) * 7
+            return (None,) * 8
         q, k, v, o, lse = ctx.saved_tensors
-        return (*_ring_backward(do, q, k, v, o, lse, ctx.group, ctx.causal, ctx.scale), *(None,) * 4)
+        return (*_ring_backward(do, q, k, v, o, lse, ctx.group, ctx.causal, ctx.scale), *(None,) * 5)
 
 
 class _TangentWithoutGrad(torch.autograd.Function):
@@ -404,7 +502,7 @@ def _ring_options(q, k, causal, scale, layout):
     return c is not None, _norm_scale(scale, q.shape[-1])
 
 
-def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhnd"):
+def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhnd", kv_blocks_per_launch=None):
     """Attention over a sequence sharded across the ranks of ``group``, by ring attention.
 
     Args:
@@ -415,6 +513,16 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhn
             the shards must be zig-zag ones (:func:`zigzag_shard`), which balances the work.
             Every rank's shards have the same length; GQA as in :func:`flashjvp.attention`.
         group: the process group (default: the world).
+        kv_blocks_per_launch: ``g``, the number of received kv shards each forward launch covers:
+            the ring still moves one shard per hop, but a rank holds the shards it receives and
+            every ``g`` of them runs one launch per query chunk over the concatenation of their
+            visible keys, then one merge; the launch overlaps the hop in flight when it starts.
+            Small shards (many ranks) are launch-bound one by one. ``None`` (the default) picks ``g`` from the
+            shard length, enough shards for about 4096 keys per launch, at most the group size;
+            ``1`` is one launch per shard; values above the group size act as the group size.
+            Memory: the buffer holds ``g`` shards of k, v (and their tangents) and, at each
+            launch, their concatenation. The causal diagonal block stays its own causal launch.
+            The backward runs shard by shard whatever ``g`` (dK, dV travel with their keys).
 
     Returns:
         this rank's shard of the output, (B, Hq, Nq/P, Dv) (or bnhd), in the input's order.
@@ -424,20 +532,23 @@ def ring_attention(q, k, v, *, group=None, causal=False, scale=None, layout="bhn
     each rank runs the fused forward+JVP kernel per shard. Gradients through the tangent are not
     supported on this path (use :func:`ulysses_attention`).
     """
+    _check_blocks_per_launch(kv_blocks_per_launch)
     _check(q, k, v, (None, None, None), group, layout, heads=False)
     causal, scale = _ring_options(q, k, causal, scale, layout)
     q, k, v = (_to_bnhd(x, layout) for x in (q, k, v))
     defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
-    o, _ = _Ring.apply(q, k, v, group, causal, scale, defer)
+    o, _ = _Ring.apply(q, k, v, group, causal, scale, defer, kv_blocks_per_launch)
     return _to_bnhd(o, layout)
 
 
 def ring_attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, group=None, causal=False, scale=None,
-                       layout="bhnd", return_lse=False):
+                       layout="bhnd", return_lse=False, kv_blocks_per_launch=None):
     """:func:`ring_attention` and its tangent for explicit tangents (``None`` is zero), in one
     ring: ``(o, to)`` or, with ``return_lse``, ``(o, to, lse, mu)`` with lse, mu (B, Hq, Nq/P).
+    ``kv_blocks_per_launch`` as in :func:`ring_attention`.
     Not differentiable: inputs that require grad are refused (differentiate :func:`ring_attention`
     under ``torch.func.jvp``, or use :func:`ulysses_attention_jvp`)."""
+    _check_blocks_per_launch(kv_blocks_per_launch)
     _check(q, k, v, (tq, tk, tv), group, layout, heads=False)
     causal, scale = _ring_options(q, k, causal, scale, layout)
     needs = [n for n, x in zip(("q", "k", "v", "tq", "tk", "tv"), (q, k, v, tq, tk, tv))
@@ -448,7 +559,7 @@ def ring_attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, group=None, causal
                          f"ring_attention under torch.func.jvp, or use ulysses_attention_jvp")
     q, k, v, tq, tk, tv = (_to_bnhd(x, layout) for x in (q, k, v, tq, tk, tv))
     with torch.no_grad():
-        o, to, lse, mu = _ring_forward(q, k, v, tq, tk, tv, group, causal, scale)
+        o, to, lse, mu = _ring_forward(q, k, v, tq, tk, tv, group, causal, scale, kv_blocks_per_launch)
     if to is None:
         to, mu = torch.zeros_like(o), torch.zeros_like(lse)
     o, to = _to_bnhd(o, layout), _to_bnhd(to, layout)
