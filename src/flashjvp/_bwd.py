@@ -166,13 +166,14 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-    # Query blocks [lo, hi) see some key of this block; [full_lo, full_hi) see all of them.
-    lo, full_lo, full_hi, hi = query_blocks(n0, n_q, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
-    if HAS_KV_LENS:  # a block of padding only: no query block to visit
-        hi = tl.where(n0 < n_kv, hi, 0)
-        lo, full_lo, full_hi = tl.minimum(lo, hi), tl.minimum(full_lo, hi), tl.minimum(full_hi, hi)
-    if HAS_MASK:  # every block reads its tile of the mask
-        full_hi = full_lo
+    if not SPARSE:  # (a block mask's ranges depend on the query head: set in the loop below)
+        # Query blocks [lo, hi) see some key of this block; [full_lo, full_hi) see all of them.
+        lo, full_lo, full_hi, hi = query_blocks(n0, n_q, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
+        if HAS_KV_LENS:  # a block of padding only: no query block to visit
+            hi = tl.where(n0 < n_kv, hi, 0)
+            lo, full_lo, full_hi = tl.minimum(lo, hi), tl.minimum(full_lo, hi), tl.minimum(full_hi, hi)
+        if HAS_MASK:  # every block reads its tile of the mask
+            full_hi = full_lo
     for g in range(GROUPS):  # query heads of this kv head, summed in a fixed order
         h = h_kv * GROUPS + g
         q_ptrs = Q + b * s_qb + h * s_qh + tl.arange(0, BLOCK_M)[:, None] * s_qn + offs_dqk[None, :] * s_qd
@@ -183,36 +184,27 @@ def _attn_bwd_dkdv_kernel(
         maxb = s_cn
         if SPARSE:  # this key block's column of the block mask: full query blocks, then partial ones
             lst, n_full, n_part, maxb = sparse_list(SP_COL, b, h, n0 // SP_BN, s_cb, s_ch, s_cn)
-            mid = n_full * SP_BM  # virtual positions: [0, mid) full blocks, [mid, end) partial ones
-            end = (n_full + n_part) * SP_BM
+            lo = 0  # virtual positions over the list: [0, full_hi) its full blocks, [full_hi, hi) its partial ones
+            full_lo = 0
+            full_hi = n_full * SP_BM
+            hi = (n_full + n_part) * SP_BM
+        if RIGHT:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                                 keys, kvalid, mask_dqk, mask_dv, 0, mid, n_q, off_r, off_l, scale_log2,
-                                 mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                                 lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                                 BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                                 keys, kvalid, mask_dqk, mask_dv, mid, end, n_q, off_r, off_l, scale_log2,
+                                 keys, kvalid, mask_dqk, mask_dv, lo, full_lo, n_q, off_r, off_l, scale_log2,
                                  mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
                                  lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
                                  BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
-        else:
-            if RIGHT:
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                                     keys, kvalid, mask_dqk, mask_dv, lo, full_lo, n_q, off_r, off_l, scale_log2,
-                                     mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                                     lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                                     BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
+                             keys, kvalid, mask_dqk, mask_dv, full_lo, full_hi, n_q, off_r, off_l, scale_log2,
+                             mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                             lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                             BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+        if LEFT or HAS_MASK or SPARSE:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                                 keys, kvalid, mask_dqk, mask_dv, full_lo, full_hi, n_q, off_r, off_l, scale_log2,
+                                 keys, kvalid, mask_dqk, mask_dv, full_hi, hi, n_q, off_r, off_l, scale_log2,
                                  mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
                                  lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                                 BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
-            if LEFT or HAS_MASK:
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                                     keys, kvalid, mask_dqk, mask_dv, full_hi, hi, n_q, off_r, off_l, scale_log2,
-                                     mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                                     lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                                     BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
+                                 BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
     dk = dk * scale
     tl.store(DK + b * s_dkb + h_kv * s_dkh + keys[:, None] * s_dkn + offs_dqk[None, :] * s_dkd,
              dk.to(DK.dtype.element_ty), mask=kin[:, None] & mask_dqk[None, :])
@@ -323,33 +315,27 @@ def _attn_bwd_dq_kernel(
     maxb = s_rn
     if SPARSE:  # this row block's list of the block mask: full key blocks, then partial ones
         lst, n_full, n_part, maxb = sparse_list(SP_ROW, b, h, m0 // SP_BM, s_rb, s_rh, s_rn)
-        mid = n_full * SP_BN
-        end = (n_full + n_part) * SP_BN
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                       0, mid, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
-                       HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                       BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                       mid, end, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
-                       HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                       BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+        lo = 0  # virtual positions over the list: [0, full_hi) its full blocks, [full_hi, hi) its partial ones
+        full_lo = 0
+        full_hi = n_full * SP_BN
+        hi = (n_full + n_part) * SP_BN
     else:
         lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
         if HAS_MASK:  # every block reads its tile of the mask
             full_hi = full_lo
-        if LEFT:
-            dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                           lo, full_lo, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
-                           HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                           BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+    if LEFT:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                       full_lo, full_hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                       lo, full_lo, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
                        HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                           BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                       full_hi, hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
-                       HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
-                           BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+                       BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                   full_lo, full_hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                   HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                   BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
+                   full_hi, hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                   HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                   BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = dq * scale
     tl.store(DQ + b * s_dqb + h * s_dqh + rows[:, None] * s_dqn + offs_dqk[None, :] * s_dqd,
              dq.to(DQ.dtype.element_ty), mask=rvalid[:, None] & mask_dqk[None, :])

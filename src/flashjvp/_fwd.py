@@ -330,24 +330,15 @@ def _attn_fwd_kernel(
     if SPARSE:  # this row block's list of the block mask: its full blocks unmasked, then the partial ones
         tl.static_assert(SP_BM % BLOCK_M == 0 and SP_BN % BLOCK_N == 0, "the tiles divide the mask's blocks")
         lst, n_full, n_part, maxb = sparse_list(SP_ROW, b, h, m0 // SP_BM, s_rb, s_rh, s_rn)
-        mid = n_full * SP_BN  # virtual positions: [0, mid) full blocks, [mid, end) partial ones
-        end = (n_full + n_part) * SP_BN
-        acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-            acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, 0, mid, n_kv, off_r, off_l,
-            scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-            lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
-            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
-        acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-            acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, mid, end, n_kv, off_r, off_l,
-            scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-            lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
-            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+        # Virtual positions over the list: [0, full_hi) its full blocks, [full_hi, hi) its partial ones.
+        lo = 0
+        full_lo = 0
+        full_hi = n_full * SP_BN
+        hi = (n_full + n_part) * SP_BN
     else:
         # Key blocks every row of this block sees completely run unmasked; the rest are masked. The
         # masked loops are compiled only where they can run: a window's left edge (LEFT), causality or
-        # a window's right edge (RIGHT), a partial last key block (KEY_TAIL).
+        # a window's right edge (RIGHT), a partial last key block (KEY_TAIL), a mask (HAS_MASK, SPARSE).
         tl.static_assert(_MAX_BLOCK_N % BLOCK_N == 0, "KEY_TAIL assumes BLOCK_N divides _MAX_BLOCK_N")
         lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
         if HAS_MASK:  # every block reads its tile of the mask
@@ -358,26 +349,26 @@ def _attn_fwd_kernel(
             hi = tl.minimum(hi, lo + per_shard)
             full_lo = lo
             full_hi = tl.minimum(tl.maximum(full_hi, lo), hi)
-        if LEFT:
-            acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-                acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-                s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, lo, full_lo, n_kv, off_r, off_l,
-                scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
-                HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+    if LEFT:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
             acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_lo, full_hi, n_kv, off_r, off_l,
+            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, lo, full_lo, n_kv, off_r, off_l,
             scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-            lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+            lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
-        if RIGHT or KEY_TAIL or HAS_MASK:
-            acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
-                acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-                s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_hi, hi, n_kv, off_r, off_l,
-                scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
-                HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+    acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+        acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_lo, full_hi, n_kv, off_r, off_l,
+        scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+        lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+        HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
+    if RIGHT or KEY_TAIL or HAS_MASK or SPARSE:
+        acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
+            acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
+            s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_hi, hi, n_kv, off_r, off_l,
+            scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+            lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+            HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
 
     # Epilogue: rows that saw no key (l == 0) give o = to = mu = 0 and lse = -inf.
     empty = l_i == 0.0
