@@ -7,6 +7,7 @@ Tensors are CPU tensors; every Triton launch is intercepted, compiled for the ta
 
     python scripts/compile_report.py --b 8 --h 16 --n 1024 --d 72 [--mode fwd_jvp|fwd|bwd]
         [--tile 128 64 8 3] [--layout bnhd] [--dtype bf16] [--tma] [--tangents q] [--split 132]
+        [--frame 1560]   (a frame-causal block mask of frames of that many tokens: the SPARSE path)
 
 ``DUMP_PTX=FILE`` / ``DUMP_TTGIR=FILE`` write the (last) kernel's PTX / TritonGPU IR.
 """
@@ -67,7 +68,8 @@ def _compile_only(self, *args, grid, warmup, **kwargs):
     wgmma = len(re.findall(r"wgmma\.mma_async", ptx))
     setmaxnreg = len(re.findall(r"setmaxnreg", ptx))  # > 0 only in a warp-specialized kernel
     tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
-    consts = {k: v for k, v in bound.items() if k.isupper() and k.startswith(("BLOCK", "ALIGN", "EVEN", "HAS"))}
+    shown = ("BLOCK", "ALIGN", "EVEN", "HAS", "SPARSE")
+    consts = {k: v for k, v in bound.items() if k.isupper() and k.startswith(shown)}
     reports.append(f"{self.__name__}: warps={options.num_warps} stages={options.num_stages} {consts}\n"
                    f"    {info}; shared memory {kernel.metadata.shared} B (H200 limit 232448)\n"
                    f"    global loads {loads}; cp.async bytes {copies}; wgmma {wgmma}; "
@@ -89,6 +91,8 @@ def main() -> None:
     ap.add_argument("--tile", type=int, nargs=4, metavar=("BM", "BN", "WARPS", "STAGES"),
                     help="one tile to compile (default: each kernel's default tile)")
     ap.add_argument("--tma", action="store_true", help="forward: the tensor-descriptor path (FLASHJVP_TMA=1)")
+    ap.add_argument("--frame", type=int, default=0, metavar="TOKENS",
+                    help="a frame-causal block mask with frames of TOKENS tokens (flashjvp.block_masks)")
     ap.add_argument("--split", type=int, default=0, metavar="SLOTS",
                     help="forward: tail splitting as on a GPU with SLOTS SMs (e.g. 132; _split.py)")
     args = ap.parse_args()
@@ -104,7 +108,12 @@ def main() -> None:
         return torch.zeros(shape, dtype=dtype)
 
     q, k, v = t(args.d), t(args.d), t(dv)
-    a = check_inputs(q, k, v, causal=args.causal, scale=None, layout=args.layout)
+    block_mask = None
+    if args.frame:
+        from flashjvp.block_masks import frame_causal
+
+        block_mask = frame_causal(args.n, args.frame, device="cpu")
+    a = check_inputs(q, k, v, causal=args.causal, scale=None, layout=args.layout, block_mask=block_mask)
     for kern, tiles in ((_fwd._attn_fwd_kernel, _policy.FWD_TILES), (_bwd._attn_bwd_dkdv_kernel, _policy.BWD_TILES),
                         (_bwd._attn_bwd_dq_kernel, _policy.BWD_TILES)):
         bm, bn, w, s = args.tile or tiles[0]  # one config: the autotuner then just launches it

@@ -82,3 +82,16 @@ def test_tail_split_compiles_like_whole_blocks():
         assert re.search(r"\b0 bytes spill stores", report), report
     for what in (r"wgmma (\d+)", r"TMA copies (\d+)"):
         assert re.search(what, split).group(1) == re.search(what, plain).group(1), (plain, split)
+
+
+@pytest.mark.parametrize("mode", ["fwd_jvp", "bwd"])
+def test_block_mask_kernels_compile(mode):
+    """A frame-causal block mask (frames of 130 tokens: partial blocks on both sides of every frame
+    edge): the SPARSE forward+JVP, dQ and dK/dV kernels compile for sm_90a without spills. The CPU
+    interpreter runs kernels as Python, so it cannot see a kernel that fails to compile."""
+    out = compile_report("--b", "1", "--h", "2", "--n", "1000", "--d", "64", "--frame", "130", "--mode", mode)
+    names = ["_attn_fwd_kernel"] if mode == "fwd_jvp" else ["_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"]
+    for name in names:
+        report = _kernel_report(out, name)
+        assert "'SPARSE': True" in report, out
+        assert re.search(r"\b0 bytes spill stores", report), report
