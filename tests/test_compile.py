@@ -8,6 +8,7 @@ them is compiled by AOTAutograd (``aot_eager``); on a GPU by Inductor."""
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashjvp
 from flashjvp._launch import LaunchLog
@@ -104,14 +105,14 @@ def test_jvp_of_compiled_function(case, dtype):
 @pytest.mark.parametrize("dtype", DT, ids=lambda d: DT_IDS[d])
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_function_calling_jvp(case, dtype):
-    """``torch.compile(lambda: torch.func.jvp(f, ...))``: attention leaves the graph and runs
-    the fused kernel eagerly (Dynamo would drop the custom jvp rule)."""
+    """``torch.compile(lambda: torch.func.jvp(f, ...), fullgraph=True)``: the fused fwd_jvp operator
+    runs inside the graph (attention writes its forward-mode rule out with unpack_dual/make_dual)."""
     xs, kw = _inputs(case, dtype)
 
     def f(q, k, v):
         return flashjvp.attention(q, k, v, **kw)
 
-    g = _compile(lambda *a: torch.func.jvp(f, a[:3], a[3:]))
+    g = _compile(lambda *a: torch.func.jvp(f, a[:3], a[3:]), fullgraph=True)
     with LaunchLog() as log:
         o, to = g(*xs)
     assert log.count("_attn_fwd_kernel", HAS_TQ=True) == 1
@@ -173,7 +174,7 @@ def test_forward_ad_inside_and_around_compile():
 
 
 def test_meanflow_step_compiled():
-    """``torch.func.jvp`` inside a compiled training step, then backward through the primal."""
+    """``torch.func.jvp`` inside a compiled training step (one graph), then backward through the primal."""
     xs, kw = _inputs((2, 2, 2, 17, 17, 16, 16, "bhnd", False), torch.float32)
     leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
 
@@ -181,12 +182,79 @@ def test_meanflow_step_compiled():
         o, to = torch.func.jvp(lambda *a: flashjvp.attention(*a, **kw), (q, k, v), (tq, tk, tv))
         return (o * to.detach()).sum()
 
-    _compile(step)(*leaves, *xs[3:]).backward()
+    _compile(step, fullgraph=True)(*leaves, *xs[3:]).backward()
     ref = [x.clone().requires_grad_() for x in f64(xs[:3])]
     o, to = torch.func.jvp(lambda *a: flashjvp.attention_ref(*a, **kw), tuple(ref), tuple(f64(xs[3:])))
     (o * to.detach()).sum().backward()
     for name, x, r in zip(("dq", "dk", "dv"), leaves, ref):
         torch.testing.assert_close(x.grad.double(), r.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("tangents", ["qkv", "q"])
+def test_scm_step_compiled_fullgraph(tangents):
+    """sCM: ``torch.func.jvp`` of a small network around attention in one compiled graph, the loss
+    through the tangent too (the bwd_jvp operator), against float64 double differentiation;
+    with ``"q"`` keys and values carry no tangent (cross-attention to a fixed context)."""
+    xs, kw = _inputs((1, 2, 2, 21, 21, 16, 16, "bnhd", True), torch.float32)
+    w = torch.randn(16, 16, device=DEVICE) / 4
+
+    def step(attention, q, k, v, tq, tk, tv, w):
+        def net(q, k, v):
+            return attention(q @ w, k, v, **kw) @ w
+        if tangents == "q":
+            o, to = torch.func.jvp(lambda q: net(q, k, v), (q,), (tq,))
+        else:
+            o, to = torch.func.jvp(net, (q, k, v), (tq, tk, tv))
+        return o.square().sum() + (to * 0.5).square().sum()
+
+    leaves = [x.detach().clone().requires_grad_() for x in (*xs[:3], w)]
+    with LaunchLog() as log:
+        _compile(lambda *a: step(flashjvp.attention, *a[:3], *xs[3:], a[3]), fullgraph=True)(*leaves).backward()
+    assert log.count("_attn_fwd_kernel", HAS_TQ=True) == 1
+    ref = [x.detach().double().requires_grad_() for x in (*xs[:3], w)]
+    step(flashjvp.attention_ref, *ref[:3], *f64(xs[3:]), ref[3]).backward()
+    for name, x, r in zip(("dq", "dk", "dv", "dw"), leaves, ref):
+        torch.testing.assert_close(x.grad.double(), r.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_compiled_nested_transforms():
+    """Transforms the fused operator cannot serve, traced by Dynamo: a jvp of a jvp (second order
+    forward) and ``jacfwd`` (vmap of jvp) take the math reference, and their values are right."""
+    q, k, v, tq, _, _ = make_qkv(1, 2, 2, 7, 9, 8, 8, "bhnd", torch.float32)
+    tq2 = torch.randn_like(tq)
+
+    def inner(attention, q, k, v, tq):
+        return torch.func.jvp(lambda q: attention(q, k, v), (q,), (tq,))[1]
+
+    got = _compile(lambda q: torch.func.jvp(lambda q: inner(flashjvp.attention, q, k, v, tq), (q,), (tq2,)))(q)
+    ref = torch.func.jvp(lambda q: inner(flashjvp.attention_ref, q, *f64((k, v, tq))), (q.double(),), (tq2.double(),))
+    for name, g, r in zip(("to", "second"), got, ref):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5, msg=name)
+    q3 = q[:, :, :3]
+    jac = _compile(lambda q: torch.func.jacfwd(lambda q: flashjvp.attention(q, k, v))(q))(q3)
+    jac_ref = torch.func.jacfwd(lambda q: flashjvp.attention_ref(q, *f64((k, v))))(q3.double())
+    torch.testing.assert_close(jac.double(), jac_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_patch_sdpa_compiled_jvp_fullgraph():
+    """A module calling ``F.scaled_dot_product_attention`` (qkv projection, attention, output
+    projection: DiT's attention sublayer), under ``patch_sdpa()``: ``torch.func.jvp`` of it
+    compiles into one graph that runs the fused kernel; value and tangent match float64."""
+    qkv, proj = torch.nn.Linear(32, 96, device=DEVICE), torch.nn.Linear(32, 32, device=DEVICE)
+
+    def block(x):
+        q, k, v = qkv(x).view(2, 19, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return proj(torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 19, 32))
+
+    x, t = torch.randn(2, 19, 32, device=DEVICE), torch.randn(2, 19, 32, device=DEVICE)
+    with flashjvp.patch_sdpa(), LaunchLog() as log:
+        out, tan = _compile(lambda x, t: torch.func.jvp(block, (x,), (t,)), fullgraph=True)(x, t)
+    assert log.count("_attn_fwd_kernel", HAS_TQ=True) == 1
+    qkv.double(), proj.double()
+    with sdpa_kernel(SDPBackend.MATH):  # PyTorch's only backend with forward-mode AD
+        ref = torch.func.jvp(block, (x.double(),), (t.double(),))
+    torch.testing.assert_close(out.double(), ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tan.double(), ref[1], rtol=1e-4, atol=1e-5)
 
 
 def test_sdpa_compiled_fullgraph():

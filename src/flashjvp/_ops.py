@@ -10,13 +10,15 @@ Why custom operators with ``register_autograd`` for the compiled path, and the e
 ``autograd.Function``s (``_autograd.py``) everywhere else:
 
 * Forward-mode AD: a custom operator has no forward-mode rule (PyTorch offers none to register),
-  and under ``torch.func.jvp`` such an operator silently yields a zero tangent. Only an
-  ``autograd.Function`` with a ``jvp`` gives the fused forward+JVP launch. But Dynamo refuses a
-  Function that defines ``jvp`` when inputs require grad ("Unsupported custom jvp"), and traced
-  under ``torch.func.jvp`` it drops the ``jvp`` rule and returns a wrong tangent. So a compiled
-  call never reaches either the operator or the Function with a forward-mode transform active:
-  ``interface.py`` sends such calls (``forward_ad``'s dual level is open: ``torch.func.jvp``
-  opens one too) out of the graph to the eager path, which runs the fused kernel.
+  and under ``torch.func.jvp`` such an operator silently yields a zero tangent. An
+  ``autograd.Function`` with a ``jvp`` is no way out under compilation: Dynamo refuses it when
+  inputs require grad ("Unsupported custom jvp"), and traced under ``torch.func.jvp`` it drops
+  the rule and returns a wrong tangent. So a compiled call with a forward-AD level open writes the
+  rule out instead (``interface._attention_dual``): the inputs' primals and tangents taken apart
+  with ``unpack_dual``, the ``fwd_jvp`` operator on them, ``make_dual(o, to)``. That is only sound
+  where the trace sees every tangent, i.e. where the level was opened inside the traced function;
+  other compiled calls with a level open leave the graph for the eager path (the
+  ``autograd.Function``s), which runs the same fused kernel.
 * Reverse mode: the operator with ``register_autograd`` composes with ``fullgraph=True``; the
   backward is the ``bwd`` operator, so both directions run the Triton kernels in the graph.
 * Host overhead: the dispatcher costs microseconds per call, as much as a short launch, so eager

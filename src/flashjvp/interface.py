@@ -160,17 +160,56 @@ def _sdpa_expressible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: Attn
             and _sdpa_aligned(q) and _sdpa_aligned(k) and _sdpa_aligned(v))
 
 
+def _level_opened_outside() -> bool:
+    """Whether the forward-AD level was already open when Dynamo began the frame it traces (dual
+    tensors passed in, or ``torch.func.jvp`` of a compiled function): their tangents are then
+    invisible to the trace. True where Dynamo's state cannot be read (the safe answer)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().output.dual_level >= 0
+    except Exception:  # noqa: BLE001 - private state of another PyTorch version
+        return True
+
+
+@torch.compiler.assume_constant_result
+def _dual_in_graph() -> bool:
+    """Whether ``attention`` traced with a forward-AD level open can write its forward-mode rule
+    into the graph: the level was opened inside the traced function (``torch.func.jvp`` or a
+    ``forward_ad`` dual level there) and is the only transform a tangent can come from (neither
+    ``vmap`` nor a second ``jvp`` around it). Evaluated while Dynamo traces, which runs the
+    transforms the function contains and guards on the dual level and the transforms around it."""
+    return not _level_opened_outside() and not _needs_math_path(_transforms())
+
+
+def _attention_dual(q, k, v, a: AttnArgs) -> torch.Tensor:
+    """``attention`` traced by Dynamo with one forward-AD level open: the forward-mode rule written
+    out in the graph, so that the fused ``fwd_jvp`` operator runs inside it. The operators have no
+    forward-mode rule of their own (PyTorch has no way to register one), so they are called on the
+    primals and tangents taken apart with ``unpack_dual``, and ``o`` is put together with ``to``
+    by ``make_dual``; their ``register_autograd`` rules differentiate both (MeanFlow, sCM)."""
+    (q0, tq), (k0, tk), (v0, tv) = (fwAD.unpack_dual(x) for x in (q, k, v))
+    if tq is None and tk is None and tv is None:  # nothing to carry at this level
+        return attn_fwd_op(q0, k0, v0, *options(a))[0]
+    o, to, _, _ = attn_fwd_jvp_op(q0, k0, v0, tq, tk, tv, *options(a))
+    return fwAD.make_dual(o, to)
+
+
 def _attention(q, k, v, a: AttnArgs) -> torch.Tensor:
     """``attention`` on validated 4-d tensors (packed batches: their (1, total, H, D) views)."""
     if not _use_kernels(q):
         return _ref(q, k, v, None, None, None, a, jvp=False)
-    if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
-        if _sdpa_expressible(q, k, v, a):
+    if torch.compiler.is_compiling():  # in the graph (_ops.py)
+        if _forward_ad_active():
+            if _dual_in_graph():
+                return _attention_dual(q, k, v, a)
+        elif _sdpa_expressible(q, k, v, a):
             o = F.scaled_dot_product_attention(bhnd_view(q, a.layout), bhnd_view(k, a.layout),
                                                bhnd_view(v, a.layout), is_causal=a.causal is not None,
                                                scale=a.scale)
             return bhnd_view(o, a.layout)
-        return attn_fwd_op(q, k, v, *options(a))[0]
+        else:
+            return attn_fwd_op(q, k, v, *options(a))[0]
     return _attention_kernels(q, k, v, a)
 
 
