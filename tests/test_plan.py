@@ -185,6 +185,38 @@ def test_reduce_overhead_compiles_without_cudagraph_skips(monkeypatch):
     assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
 
 
+@gpu
+def test_reduce_overhead_meanflow_step():
+    """torch.compile(mode="reduce-overhead") of a MeanFlow step (``torch.func.jvp`` of attention,
+    loss through the primal): one graph with the fused operator in it, no cudagraph skip, and
+    replayed values and gradients that match the float64 reference."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    dtype = torch.bfloat16
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(q, k, v, tq, tk, tv):
+        o, to = torch.func.jvp(flashjvp.attention, (q, k, v), (tq, tk, tv))
+        return o, to, (o.float() * to.detach().float()).sum()
+
+    for _ in range(4):
+        xs = make_qkv(4, 8, 8, 256, 256, 72, 72, "bhnd", dtype, kinds=("contiguous",))
+        leaves = [x.requires_grad_() for x in xs[:3]]
+        torch.compiler.cudagraph_mark_step_begin()
+        o, to, loss = step(*leaves, *xs[3:])
+        loss.backward()
+        truth, lowp = jvp_refs(*xs)
+        assert_close("o", o, truth[0], lowp[0], dtype)
+        assert_close("to", to, truth[1], lowp[1], dtype)
+        (_, _), (g64, g_lp) = _refs(*xs[:3], to.detach(), False, "bhnd")
+        for name, x, ref, ref_lp in zip(("dq", "dk", "dv"), leaves, g64, g_lp):
+            assert_close(name, x.grad, ref, ref_lp, dtype)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+
+
 # --------------------------------------------------------------------------- CPU
 
 
