@@ -249,6 +249,25 @@ def flux_fn(model, batch, dtype, n_txt=8):
     return lambda h: model(h.to(dtype), **kw, return_dict=False)[0]  # CP hooks need tensor outputs
 
 
+def make_wan(diffusers_mod):
+    """One Wan 2.1 block at toy size: self-attention over the video tokens with RoPE and RMS q/k
+    norms, cross-attention to text tokens."""
+    torch.manual_seed(0)
+    model = diffusers_mod.WanTransformer3DModel(
+        num_layers=1, patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4,
+        out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, cross_attn_norm=True, qk_norm="rms_norm_across_heads")
+    return _spread_weights(model).eval()
+
+
+def wan_fn(model, batch, dtype, n_txt=8):
+    """(B, 4, 2, 4, 8) latents (2 frames of 4 x 8, 16 tokens after patching) -> the same shape."""
+    g = torch.Generator().manual_seed(13)
+    dev = next(model.parameters()).device
+    enc = torch.randn(batch, n_txt, 16, generator=g).to(device=dev, dtype=dtype)
+    step = torch.linspace(300.0, 700.0, batch).to(device=dev, dtype=dtype)
+    return lambda h: model(h.to(dtype), timestep=step, encoder_hidden_states=enc, return_dict=False)[0]
+
+
 def test_diffusers_backend_registration(diffusers_mod, native_backend):
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
@@ -265,10 +284,11 @@ def test_diffusers_backend_registration(diffusers_mod, native_backend):
         fjd.apply("model")
 
 
-@pytest.mark.parametrize("name", ["flux_backend", "dit_processor"])
+@pytest.mark.parametrize("name", ["flux_backend", "wan_backend", "dit_processor"])
 def test_diffusers_jvp(diffusers_mod, name, native_backend, monkeypatch):
-    """torch.func.jvp of a Flux transformer on the "flashjvp" backend (set_attention_backend) and
-    of a DiT on FlashJVPAttnProcessor (apply) against their float64 copies on math SDPA."""
+    """torch.func.jvp of a Flux transformer and of a Wan block on the "flashjvp" backend
+    (set_attention_backend) and of a DiT on FlashJVPAttnProcessor (apply) against their float64
+    copies on math SDPA."""
     from flashjvp.integrations import diffusers as fjd
     from test_models import dit_fn, make_dit
 
@@ -279,6 +299,15 @@ def test_diffusers_jvp(diffusers_mod, name, native_backend, monkeypatch):
         model.set_attention_backend("flashjvp")
         ref.set_attention_backend("native")
         fn, fn64, x, n_attn = flux_fn(model, 2, torch.float32), flux_fn(ref, 2, torch.float64), torch.randn(2, 16, 4), 2
+        entry = "attention"
+    elif name == "wan_backend":  # one self-attention and one cross-attention call
+        model = make_wan(diffusers_mod)
+        ref = copy.deepcopy(model).double()
+        fjd.register_backend()
+        model.set_attention_backend("flashjvp")
+        ref.set_attention_backend("native")
+        fn, fn64, n_attn = wan_fn(model, 2, torch.float32), wan_fn(ref, 2, torch.float64), 2
+        x = torch.randn(2, 4, 2, 4, 8)
         entry = "attention"
     else:
         model = make_dit(diffusers_mod.DiTTransformer2DModel)
