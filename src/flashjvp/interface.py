@@ -199,17 +199,15 @@ def _attention(q, k, v, a: AttnArgs) -> torch.Tensor:
     """``attention`` on validated 4-d tensors (packed batches: their (1, total, H, D) views)."""
     if not _use_kernels(q):
         return _ref(q, k, v, None, None, None, a, jvp=False)
-    if torch.compiler.is_compiling():  # in the graph (_ops.py)
-        if _forward_ad_active():
-            if _dual_in_graph():
-                return _attention_dual(q, k, v, a)
-        elif _sdpa_expressible(q, k, v, a):
+    if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
+        if _sdpa_expressible(q, k, v, a):
             o = F.scaled_dot_product_attention(bhnd_view(q, a.layout), bhnd_view(k, a.layout),
                                                bhnd_view(v, a.layout), is_causal=a.causal is not None,
                                                scale=a.scale)
             return bhnd_view(o, a.layout)
-        else:
-            return attn_fwd_op(q, k, v, *options(a))[0]
+        return attn_fwd_op(q, k, v, *options(a))[0]
+    if torch.compiler.is_compiling() and _dual_in_graph():  # a forward-AD level open: its rule in the graph
+        return _attention_dual(q, k, v, a)
     return _attention_kernels(q, k, v, a)
 
 
