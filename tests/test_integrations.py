@@ -292,22 +292,15 @@ def test_diffusers_jvp(diffusers_mod, name, native_backend, monkeypatch):
     from flashjvp.integrations import diffusers as fjd
     from test_models import dit_fn, make_dit
 
-    if name == "flux_backend":
-        model = make_flux(diffusers_mod)
+    if name in ("flux_backend", "wan_backend"):  # two attention calls each (Wan: self and cross)
+        make, make_fn, shape = {"flux_backend": (make_flux, flux_fn, (2, 16, 4)),
+                                "wan_backend": (make_wan, wan_fn, (2, 4, 2, 4, 8))}[name]
+        model = make(diffusers_mod)
         ref = copy.deepcopy(model).double()
         fjd.register_backend()
         model.set_attention_backend("flashjvp")
         ref.set_attention_backend("native")
-        fn, fn64, x, n_attn = flux_fn(model, 2, torch.float32), flux_fn(ref, 2, torch.float64), torch.randn(2, 16, 4), 2
-        entry = "attention"
-    elif name == "wan_backend":  # one self-attention and one cross-attention call
-        model = make_wan(diffusers_mod)
-        ref = copy.deepcopy(model).double()
-        fjd.register_backend()
-        model.set_attention_backend("flashjvp")
-        ref.set_attention_backend("native")
-        fn, fn64, n_attn = wan_fn(model, 2, torch.float32), wan_fn(ref, 2, torch.float64), 2
-        x = torch.randn(2, 4, 2, 4, 8)
+        fn, fn64, x, n_attn = make_fn(model, 2, torch.float32), make_fn(ref, 2, torch.float64), torch.randn(shape), 2
         entry = "attention"
     else:
         model = make_dit(diffusers_mod.DiTTransformer2DModel)
