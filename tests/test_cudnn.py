@@ -278,10 +278,10 @@ def test_auto_runs_pytorchs_own_backend(monkeypatch, shape, causal):
 @needs_cudnn
 @pytest.mark.parametrize("mode", ["0", "1"])
 def test_switch_compiled(monkeypatch, mode):
-    """torch.compile(fullgraph=True) forward and backward under both forced paths: a call SDPA
-    expresses is traced as SDPA (PyTorch's backend, no flashjvp launch), one it does not (a
-    bottom-right alignment with Nq != Nk) runs the flashjvp::fwd / ::bwd operators (Triton, which cuDNN
-    cannot replace there), whose fake tensors promise attn_fwd's and attn_bwd's strides."""
+    """torch.compile(fullgraph=True) forward and backward under both forced paths: the
+    flashjvp::fwd / ::bwd operators run the switch's kernels (Triton for 0, cuDNN for 1) where cuDNN
+    takes the call, and Triton where it cannot (a bottom-right alignment with Nq != Nk); their
+    fake tensors promise the strides either gives (Inductor checks them at run time)."""
     monkeypatch.setenv("FLASHJVP_CUDNN", mode)
     dtype = torch.bfloat16
     qkv = torch.randn(2, 1024, 3, 4, 64, device="cuda").to(dtype)
@@ -295,7 +295,9 @@ def test_switch_compiled(monkeypatch, mode):
         o = f(q, k, v, True)
         do = torch.randn_like(o)
         grads = torch.autograd.grad(o, (q, k, v), do)
-    assert not log.launches  # traced as SDPA
+    kernels = ["cudnn_sdpa_fwd", "cudnn_sdpa_bwd"] if mode == "1" else \
+        ["_attn_fwd_kernel", "_attn_bwd_dq_kernel", "_attn_bwd_dkdv_kernel"]
+    assert [launch.kernel for launch in log.launches] == kernels
     truth, lowp = fwd_refs(q, k, v, causal=True, layout="bnhd")
     assert_close("o", o / 2, truth[0], lowp[0], dtype)
     check_grads([g / 2 for g in grads], q, k, v, do, dtype, causal=True, layout="bnhd")
@@ -567,8 +569,11 @@ def test_stride_helpers():
     assert y.stride() == (40, 999, 8, 1) and y.data_ptr() == x.data_ptr() and torch.equal(y, x)
     z = with_strides(x.transpose(2, 3), contiguous_strides((2, 1, 8, 5)))  # a copy
     assert z.is_contiguous() and torch.equal(z, x.transpose(2, 3))
-    assert _cudnn.empty_like_strides(q.transpose(1, 2)) == contiguous_strides((2, 5, 4, 64))
-    assert _cudnn.empty_like_strides(x.transpose(2, 3)) == x.transpose(2, 3).stride()
+    # torch.empty_like's strides (what autograd and the fake backward give the gradients), for a q
+    # cut from a packed qkv projection as attention sees it, (B, H, N, D) and (B, N, H, D), too
+    qkv = torch.randn(2, 5, 3, 4, 64).permute(2, 0, 3, 1, 4)  # DiT's qkv.view(b, n, 3, h, d).permute
+    for y in (q, q.transpose(1, 2), x.transpose(2, 3), qkv[0], qkv[1].transpose(1, 2), torch.randn(2, 4, 5, 64)):
+        assert _cudnn.empty_like_strides(y) == torch.empty_like(y).stride(), y.stride()
     off = torch.randn(2 * 4 * 5 * 8 + 1)[1:].view(2, 4, 5, 8)  # 4 bytes past a 16-byte boundary
     assert off.data_ptr() % 16
     aligned = with_strides(off, off.stride(), align=True)  # cuDNN wants 16-byte aligned o and dO

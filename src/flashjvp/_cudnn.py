@@ -163,9 +163,17 @@ def _is_dense(shape, strides) -> bool:
 
 
 def empty_like_strides(x: torch.Tensor) -> tuple[int, ...]:
-    """Strides of ``torch.empty_like(x)`` (preserve_format) for the 4-d attention tensors: x's own
-    when x is dense, else contiguous ones."""
-    return tuple(x.stride()) if _is_dense(x.shape, x.stride()) else contiguous_strides(x.shape)
+    """Strides of ``torch.empty_like(x)`` (preserve_format), which autograd and the operators'
+    fake implementations give the gradients: x's own when x is dense, else dense ones in x's
+    order of dimensions (a q sliced out of a packed qkv projection keeps its (B, N, H, D) order)."""
+    strides = tuple(x.stride())
+    return strides if _is_dense(x.shape, strides) else _empty_like_strides(tuple(x.shape), strides)
+
+
+@functools.lru_cache(maxsize=256)
+def _empty_like_strides(shape: tuple, strides: tuple) -> tuple[int, ...]:
+    # PyTorch's own rule (at::infer_dense_strides), run once per signature on a meta tensor.
+    return torch.empty_like(torch.empty_strided(shape, strides, device="meta")).stride()
 
 
 def matching_layout_strides(q: torch.Tensor, shape) -> tuple[int, ...]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as fwAD
-import torch.nn.functional as F
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 
@@ -15,7 +14,7 @@ from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
 from flashjvp._plan import plain_plan
 from flashjvp._policy import interpreting
 from flashjvp._sparse import dense_mask
-from flashjvp._validate import AttnArgs, bhnd_view, check_inputs, check_varlen
+from flashjvp._validate import AttnArgs, check_inputs, check_varlen
 from flashjvp.ref import attention_jvp_ref, attention_ref, attention_varlen_jvp_ref, attention_varlen_ref
 
 __all__ = ["attention", "attention_jvp", "attention_varlen", "attention_varlen_jvp"]
@@ -142,24 +141,6 @@ def _attention_jvp_kernels(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
     return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True)  # mu: for the backward
 
 
-def _sdpa_aligned(x: torch.Tensor) -> bool:
-    """Unit stride along the head dim and 16-byte aligned offset and strides (in elements of a
-    2-byte dtype): what Inductor's SDPA kernels assume of their inputs without copying them."""
-    return x.stride(-1) == 1 and x.storage_offset() % 8 == 0 and all(s % 8 == 0 for s in x.stride()[:-1])
-
-
-def _sdpa_expressible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs) -> bool:
-    """Whether PyTorch's SDPA computes the call ``a`` as it is (no option it lacks, half precision
-    on the GPU, no GQA, aligned inputs): under torch.compile such plain calls are traced as SDPA
-    itself, so that Inductor picks and fuses PyTorch's own backend and CUDA graphs capture it like
-    SDPA. Misaligned inputs (a view at an odd offset) get flashjvp's operator: Inductor's compiled
-    SDPA returned wrong values for them."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and a.h_q == a.h_kv
-            and a.kv_lens is None and a.window is None and a.mask is None and a.varlen is None and a.sparse is None
-            and (a.causal != "bottom_right" or a.n_q == a.n_k)
-            and _sdpa_aligned(q) and _sdpa_aligned(k) and _sdpa_aligned(v))
-
-
 def _level_opened_outside() -> bool:
     """Whether the forward-AD level was already open when Dynamo began the frame it traces (dual
     tensors passed in, or ``torch.func.jvp`` of a compiled function): their tangents are then
@@ -199,12 +180,11 @@ def _attention(q, k, v, a: AttnArgs) -> torch.Tensor:
     """``attention`` on validated 4-d tensors (packed batches: their (1, total, H, D) views)."""
     if not _use_kernels(q):
         return _ref(q, k, v, None, None, None, a, jvp=False)
-    if torch.compiler.is_compiling() and not _forward_ad_active():  # in the graph (_ops.py)
-        if _sdpa_expressible(q, k, v, a):
-            o = F.scaled_dot_product_attention(bhnd_view(q, a.layout), bhnd_view(k, a.layout),
-                                               bhnd_view(v, a.layout), is_causal=a.causal is not None,
-                                               scale=a.scale)
-            return bhnd_view(o, a.layout)
+    # In a graph, plain calls are flashjvp's operator, which picks cuDNN or Triton when it runs
+    # (_ops.py). Not PyTorch's SDPA traced in their place: whether SDPA takes the tensors as they
+    # are depends on their storage offsets, which Dynamo can neither read without a graph break
+    # nor guard on, and Inductor's SDPA gave wrong values for an input at an odd offset.
+    if torch.compiler.is_compiling() and not _forward_ad_active():
         return attn_fwd_op(q, k, v, *options(a))[0]
     if torch.compiler.is_compiling() and _dual_in_graph():  # a forward-AD level open: its rule in the graph
         return _attention_dual(q, k, v, a)
