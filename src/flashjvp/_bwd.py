@@ -10,7 +10,6 @@ backward of small shapes is bound by the host's launches, not by the GPU.)
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -34,6 +33,7 @@ from flashjvp._jit import (
 from flashjvp._launch import (
     PlanCache,
     aligned16,
+    allow_tf32,
     aux_tensors,
     buffer_like,
     dot_precision,
@@ -356,7 +356,7 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     if a.kv_lens is None and a.mask is None and a.varlen is None and a.sparse is None and q.is_cuda \
             and aligned16(do, q, k, v, o, lse):
         key = (a, q.dtype, q.device.index, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
-               lse.stride(), torch.backends.cuda.matmul.allow_tf32)
+               lse.stride(), allow_tf32())
         plans = _PLANS.get(key)
         if plans is not None:  # the same launches as before: no argument to recompute
             seqs = aux_tensors(a, lse)

@@ -40,6 +40,7 @@ from flashjvp._launch import (
     PlanCache,
     aligned16,
     all_seq_strides,
+    allow_tf32,
     aux_tensors,
     dot_precision,
     ensure_tma_allocator,
@@ -429,7 +430,7 @@ def _plan_key(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool):
         return None
     st = lambda x: None if x is None else x.stride()  # noqa: E731
     return (a, q.dtype, q.device.index, q.stride(), k.stride(), v.stride(), st(tq), st(tk), st(tv), store_mu,
-            torch.backends.cuda.matmul.allow_tf32, tma_mode(), tail_split_enabled())
+            allow_tf32(), tma_mode(), tail_split_enabled())
 
 
 def _fwd_tensors(inputs, o, to, lse, mu, scratch, aux):

@@ -290,10 +290,15 @@ def vector_align(strides, *dims: int) -> int:
     return 8 if g % 8 == 0 else 1
 
 
+# ``torch.backends.cuda.matmul.allow_tf32`` through its C getter where this PyTorch has it: the
+# property, read by every launch plan's key, costs as much as the rest of the key.
+allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs follow ``torch.backends.cuda.matmul.allow_tf32`` (PyTorch's rule);
     half inputs use the tensor cores' native precision."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and not allow_tf32():
         return "ieee"
     return "tf32"
 

@@ -48,7 +48,7 @@ from flashjvp._cudnn import (
     use_cudnn,
 )
 from flashjvp._fwd import attn_fwd
-from flashjvp._launch import LaunchLog, PlanCache, aligned16, out_shape, record_launch
+from flashjvp._launch import LaunchLog, PlanCache, aligned16, allow_tf32, out_shape, record_launch
 from flashjvp._policy import cudnn_mode, env
 from flashjvp._validate import AttnArgs, bhnd_view
 
@@ -58,12 +58,23 @@ _PLANS = PlanCache()
 _NO_PLAN = object()  # a signature the checked path must serve every time (cached refusal)
 
 
+def _getter(name: str, public):
+    """PyTorch's C getter ``torch._C.<name>`` (a few tens of nanoseconds), else the public one."""
+    return getattr(torch._C, name, None) or public
+
+
+# The global switches a plain call reads on every call, through the C getters behind the
+# ``torch.backends`` properties: the properties cost several times the rest of a key together.
+_CUDNN_SDP = _getter("_get_cudnn_sdp_enabled", torch.backends.cuda.cudnn_sdp_enabled)
+_FLASH_SDP = _getter("_get_flash_sdp_enabled", torch.backends.cuda.flash_sdp_enabled)
+_MEM_EFF_SDP = _getter("_get_mem_efficient_sdp_enabled", torch.backends.cuda.mem_efficient_sdp_enabled)
+
+
 def _switches() -> tuple:
     """Everything besides the tensors that can change which path a plain call takes."""
-    return (cudnn_mode(), torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-            torch.backends.cuda.mem_efficient_sdp_enabled(), torch.are_deterministic_algorithms_enabled(),
+    return (cudnn_mode(), _CUDNN_SDP(), _FLASH_SDP(), _MEM_EFF_SDP(), torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(), env("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", ""),
-            torch.backends.cuda.matmul.allow_tf32)
+            allow_tf32())
 
 
 def plain_plan(q, k, v, causal, scale, layout, make_args, tag=None, contiguous=True):
