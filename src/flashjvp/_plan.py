@@ -134,6 +134,12 @@ def _torch_choice(q, k, v, a: AttnArgs):
     return SDPBackend(torch._fused_sdp_choice(qb, kb, vb, None, 0.0, a.causal is not None, scale=a.scale))
 
 
+def _direct(op):
+    """The C++ callable behind an ``OpOverload`` (what its ``__call__`` forwards to), else the
+    overload itself: a plan calls it without the Python frame in between, as SDPA does in C++."""
+    return getattr(op, "_op", op)
+
+
 def _output(o, a: AttnArgs, contiguous: bool):
     """``o`` of a PyTorch operator, (B, H, N, D), in the call's layout, contiguous if asked."""
     o = bhnd_view(o, a.layout)
@@ -143,7 +149,7 @@ def _output(o, a: AttnArgs, contiguous: bool):
 def _flash_plan(q, a: AttnArgs, grad: bool, contiguous: bool):
     """``(q, k, v) -> o`` through ``aten._scaled_dot_product_flash_attention`` (PyTorch records the
     backward); the log-sum-exp it returns is dropped."""
-    op = torch.ops.aten._scaled_dot_product_flash_attention.default
+    op = _direct(torch.ops.aten._scaled_dot_product_flash_attention.default)
     causal, scale, layout = a.causal is not None, a.scale, a.layout
 
     def run(q, k, v):
@@ -161,7 +167,7 @@ def _cudnn_plan(q, a: AttnArgs, grad: bool, contiguous: bool):
     cuDNN for the shape class); PyTorch's autograd records the backward. ``o`` comes back
     contiguous in the call's layout, as from the checked path (a copy only where cuDNN, which
     gives ``o`` q's order of dimensions, gives another)."""
-    op = _cudnn._ops()[0]
+    op = _direct(_cudnn._ops()[0])
     causal, scale, layout = a.causal is not None, a.scale, a.layout
     flip = layout == "bnhd"
     o_shape = (a.batch, a.h_q, a.n_q, a.d_v)
