@@ -33,7 +33,7 @@ from torch import Tensor
 from flashjvp._bwd import attn_bwd
 from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
-from flashjvp._launch import out_buffer, stat_buffer
+from flashjvp._launch import PlanCache, out_buffer, stat_buffer
 from flashjvp._sparse import SparsePlan
 from flashjvp._validate import AttnArgs, check_inputs, varlen_args
 
@@ -54,8 +54,25 @@ def options(a: AttnArgs) -> tuple:
             *((None, None, None, None) if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n])))
 
 
+# AttnArgs of the operators' plain calls (no tensor option, no window) by sizes, dtypes, devices
+# and options: a compiled graph calls the same operators with the same shapes at every step, and
+# the checks cost a good share of an operator's host time. AttnArgs is immutable: shared safely.
+_PLAIN = PlanCache()
+
+
 def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q,
           max_k, mask, sp_row=None, sp_col=None, sp_bits=None, sp_block=None) -> AttnArgs:
+    if kv_lens is None and not window and cu_q is None and mask is None and sp_row is None:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal, scale,
+               layout)
+        try:
+            a = _PLAIN.get(key)
+        except TypeError:  # symbolic sizes (dynamic shapes, while tracing): not cached
+            return check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
+        if a is None:
+            a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
+            _PLAIN.put(key, a)
+        return a
     align = None
     if window:
         align = "bottom_right" if len(window) > 2 and window[2] else "top_left"
