@@ -6,7 +6,7 @@
 #
 # Environment: OUT (where logs and results go, default /tmp/flashjvp-gpu), TESTS (test files or
 # node ids, default tests), TEST_LIMIT (seconds for the tests, default 300; pytest is then
-# interrupted and still prints its summary), WORKERS (pytest-xdist workers, default 12), BENCH_LIMIT (the benchmark's
+# interrupted and still prints its summary), WORKERS (pytest-xdist workers, default 10: more ran out of memory on an 80 GiB H100), BENCH_LIMIT (the benchmark's
 # --time-limit, default 240), BENCH_ARGS (more options for python -m benchmarks.bench, e.g. --modes fwd_jvp),
 # MASKS_LIMIT (the masks benchmark's --time-limit, default 240), MASKS_ARGS (more options for
 # python -m benchmarks.bench_masks, e.g. --cases 1,3); FLASHJVP_AUTOTUNE is passed through.
@@ -35,8 +35,9 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 # (b) the GPU tests: one fixed tile per kernel (no autotuning), outputs NaN-filled before each launch
 if has tests; then
-  par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-12}")  # serial without pytest-xdist
+  par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-10}")  # serial without pytest-xdist
   # shellcheck disable=SC2086  # TESTS is split into paths on purpose
+  PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
   FLASHJVP_AUTOTUNE=0 FLASHJVP_POISON=1 timeout -s INT -k 30 "${TEST_LIMIT:-300}" python3 -m pytest ${TESTS:-tests} -q -rfE \
     --tb=short --durations=40 "${par[@]}" -p no:cacheprovider --ignore=tests/test_example.py >"$OUT/tests.log" 2>&1 &
   tpid=$!
