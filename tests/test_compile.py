@@ -42,8 +42,8 @@ def _inputs(case, dtype):
     return xs, dict(causal=causal, layout=layout)
 
 
-def _compile(fn, fullgraph=False):
-    return torch.compile(fn, backend=BACKEND, fullgraph=fullgraph)
+def _compile(fn, fullgraph=False, dynamic=None):
+    return torch.compile(fn, backend=BACKEND, fullgraph=fullgraph, dynamic=dynamic)
 
 
 def _check_jvp(o, to, xs, kw, dtype):
@@ -84,7 +84,8 @@ def test_compiled_dynamic_shapes():
     fake implementations, which then cannot take their cached arguments) serves several lengths
     with one graph, each gradient matching float64."""
     counters.clear()
-    step = _compile_dynamic(lambda q, k, v, do: (flashjvp.attention(q, k, v, causal=True) * do).sum())
+    step = _compile(lambda q, k, v, do: (flashjvp.attention(q, k, v, causal=True) * do).sum(), fullgraph=True,
+                    dynamic=True)
     for n in (17, 40, 23):
         xs = make_qkv(1, 2, 2, n, n, 16, 16, "bhnd", torch.float32, tangents=False)
         leaves = [x.detach().clone().requires_grad_() for x in xs]
@@ -94,10 +95,6 @@ def test_compiled_dynamic_shapes():
         for name, x, t, lp in zip(("dq", "dk", "dv"), leaves, truth, lowp):
             assert_close(f"{name} N{n}", x.grad, t, lp, torch.float32)
     assert counters["stats"]["unique_graphs"] == 1
-
-
-def _compile_dynamic(fn):
-    return torch.compile(fn, backend=BACKEND, fullgraph=True, dynamic=True)
 
 
 @pytest.mark.parametrize("dtype", DT, ids=lambda d: DT_IDS[d])

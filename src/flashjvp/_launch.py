@@ -290,9 +290,14 @@ def vector_align(strides, *dims: int) -> int:
     return 8 if g % 8 == 0 else 1
 
 
-# ``torch.backends.cuda.matmul.allow_tf32`` through its C getter where this PyTorch has it: the
-# property, read by every launch plan's key, costs as much as the rest of the key.
-allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
+def c_getter(name: str, public):
+    """PyTorch's C getter ``torch._C.<name>`` (a few tens of nanoseconds) where this PyTorch has
+    it, else ``public``: the ``torch.backends`` properties that plan keys read on every call cost
+    several times the rest of a key."""
+    return getattr(torch._C, name, None) or public
+
+
+allow_tf32 = c_getter("_get_cublas_allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

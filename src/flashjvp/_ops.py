@@ -68,10 +68,11 @@ def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, windo
         try:
             a = _PLAIN.get(key)
         except TypeError:  # symbolic sizes (dynamic shapes, while tracing): not cached
-            return check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
+            a = key = None
         if a is None:
             a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
-            _PLAIN.put(key, a)
+            if key is not None:
+                _PLAIN.put(key, a)
         return a
     align = None
     if window:

@@ -48,7 +48,7 @@ from flashjvp._cudnn import (
     use_cudnn,
 )
 from flashjvp._fwd import attn_fwd
-from flashjvp._launch import LaunchLog, PlanCache, aligned16, allow_tf32, out_shape, record_launch
+from flashjvp._launch import LaunchLog, PlanCache, aligned16, allow_tf32, c_getter, out_shape, record_launch
 from flashjvp._policy import cudnn_mode, env
 from flashjvp._validate import AttnArgs, bhnd_view
 
@@ -58,16 +58,10 @@ _PLANS = PlanCache()
 _NO_PLAN = object()  # a signature the checked path must serve every time (cached refusal)
 
 
-def _getter(name: str, public):
-    """PyTorch's C getter ``torch._C.<name>`` (a few tens of nanoseconds), else the public one."""
-    return getattr(torch._C, name, None) or public
-
-
-# The global switches a plain call reads on every call, through the C getters behind the
-# ``torch.backends`` properties: the properties cost several times the rest of a key together.
-_CUDNN_SDP = _getter("_get_cudnn_sdp_enabled", torch.backends.cuda.cudnn_sdp_enabled)
-_FLASH_SDP = _getter("_get_flash_sdp_enabled", torch.backends.cuda.flash_sdp_enabled)
-_MEM_EFF_SDP = _getter("_get_mem_efficient_sdp_enabled", torch.backends.cuda.mem_efficient_sdp_enabled)
+# The SDPA backend switches a plain call reads on every call, through their C getters.
+_CUDNN_SDP = c_getter("_get_cudnn_sdp_enabled", torch.backends.cuda.cudnn_sdp_enabled)
+_FLASH_SDP = c_getter("_get_flash_sdp_enabled", torch.backends.cuda.flash_sdp_enabled)
+_MEM_EFF_SDP = c_getter("_get_mem_efficient_sdp_enabled", torch.backends.cuda.mem_efficient_sdp_enabled)
 
 
 def _switches() -> tuple:
