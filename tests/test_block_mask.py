@@ -42,22 +42,36 @@ def _plan_dense(bm):
 
 
 def _mods(nq, nk):
-    """mask_mods by name; 'holes' has rows that see no key, per head and batch element."""
+    """mask_mods by name; 'holes' has rows that see no key, per head and batch element; 'stripes'
+    leaves every third key block out, so that full blocks are not consecutive (the kernels' block
+    lists; frame-causal's and band's full blocks are consecutive: the unmasked loops run without
+    the list)."""
     def holes(b, h, q, k):
         return ((q + 2 * k + b + h) % 5 != 0) & (q % 7 != 3) & (k <= q + 4)
-    return {"frame-causal": _frame_causal(13), "holes": holes}
+
+    def stripes(b, h, q, k):
+        return ((k // BLOCK) % 3 != 1) & (k <= q + BLOCK // 2)
+
+    def band(b, h, q, k):  # consecutive full blocks that start past the first
+        return (k <= q) & (q - k < 3 * BLOCK + 5)
+    return {"frame-causal": _frame_causal(13), "holes": holes, "stripes": stripes, "band": band}
 
 
 # (B, Hq, Hkv, Nq, Nk, Dqk, Dv, layout, mask, (mask B, mask H), BLOCK_SIZE)
 CASES = [
     pytest.param((1, 2, 2, 50, 50, 32, 32, "bhnd", "frame-causal", (None, None), BLOCK), id="frame13-50"),
     pytest.param((2, 4, 2, 37, 45, 40, 24, "bnhd", "holes", (2, 4), (BLOCK, 2 * BLOCK)), id="gqa-holes-37x45-bnhd"),
+    pytest.param((1, 2, 1, 6 * BLOCK + 3, 7 * BLOCK + 5, 32, 32, "bnhd", "stripes", (None, None), BLOCK),
+                 id="gqa-stripes"),
+    pytest.param((1, 2, 2, 7 * BLOCK + 1, 7 * BLOCK + 1, 24, 24, "bhnd", "band", (None, None), BLOCK), id="band"),
 ]
 if ON_GPU:
     CASES += [
         pytest.param((2, 8, 2, 1999, 1999, 128, 128, "bnhd", "frame-causal", (None, None), 128), id="gqa-1999-d128"),
         pytest.param((1, 4, 4, 1000, 3000, 64, 64, "bhnd", "holes", (1, 4), (128, 64)), id="xattn-1000x3000-d64"),
         pytest.param((1, 4, 4, 4000, 4000, 128, 128, "bhnd", "frame-causal", (1, None), 64), id="4000-d128-b64"),
+        pytest.param((2, 4, 2, 1500, 1700, 64, 64, "bnhd", "stripes", (None, None), 128), id="gqa-stripes-1500x1700"),
+        pytest.param((1, 4, 4, 2100, 2100, 96, 96, "bhnd", "band", (None, None), 128), id="band-2100-d96"),
     ]
 
 
@@ -177,6 +191,17 @@ def test_plan_memory_and_cache():
     assert plan.bits.shape == (n_partial + 1, BLOCK, -(-BLOCK // 32))
     i = torch.arange(n)
     assert abs(plan.visible - (i[None] // f <= i[:, None] // f).double().mean().item()) < 1e-9
+
+
+@pytest.mark.parametrize(("name", "runs"), [("frame-causal", True), ("band", True), ("stripes", False)])
+def test_plan_runs(name, runs):
+    """``runs`` (the unmasked loops skip the block list) only where every row's and column's full
+    blocks are consecutive."""
+    n = 6 * BLOCK + 3
+    bm = create_block_mask(_mods(n, n)[name], None, None, n, n, device=DEVICE, BLOCK_SIZE=BLOCK)
+    plan = flashjvp._sparse.plan_of(bm)
+    assert plan.runs is runs
+    assert int(bm.full_kv_num_blocks.sum()) > 0  # the case has full blocks to run over
 
 
 def test_compile_fullgraph():

@@ -49,7 +49,7 @@ from flashjvp._policy import BWD_TILES, head_blocks, length_bucket, prune_bwd_co
 from flashjvp._validate import AttnArgs
 
 _BWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK", "DOT_PREC",
-            "SPARSE", "SP_BM", "SP_BN"]
+            "SPARSE", "SP_BM", "SP_BN", "SP_RUNS"]
 _EVEN_D = {
     "EVEN_DQK": lambda a: a["D_QK"] == a["BLOCK_DQK"],
     "EVEN_DV": lambda a: a["D_V"] == a["BLOCK_DV"],
@@ -125,8 +125,9 @@ def _attn_bwd_dkdv_kernel(
     RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KV_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
-    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
+    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr, SP_RUNS: tl.constexpr,
 ):
+    FULL_LIST: tl.constexpr = SPARSE and not SP_RUNS  # SP_RUNS: consecutive full blocks, no list read
     pid_n = tl.program_id(0)
     h_kv = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -182,12 +183,15 @@ def _attn_bwd_dkdv_kernel(
         mask_src = MASK + b * s_mb + h * s_mh
         lst = SP_COL  # the block list (SPARSE)
         maxb = s_cn
+        run0 = 0  # the unmasked loop's offset (SP_RUNS)
         if SPARSE:  # this key block's column of the block mask: full query blocks, then partial ones
             lst, n_full, n_part, maxb = sparse_list(SP_COL, b, h, n0 // SP_BN, s_cb, s_ch, s_cn)
             lo = 0  # virtual positions over the list: [0, full_hi) its full blocks, [full_hi, hi) its partial ones
             full_lo = 0
             full_hi = n_full * SP_BM
             hi = (n_full + n_part) * SP_BM
+            if SP_RUNS:  # the unmasked loop over queries from the first full block on
+                run0 = tl.load(lst + 2) * SP_BM
         if RIGHT:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
                                  keys, kvalid, mask_dqk, mask_dv, lo, full_lo, n_q, off_r, off_l, scale_log2,
@@ -195,9 +199,9 @@ def _attn_bwd_dkdv_kernel(
                                  lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
                                  BLOCK_M, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
-                             keys, kvalid, mask_dqk, mask_dv, full_lo, full_hi, n_q, off_r, off_l, scale_log2,
-                             mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                             lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                             keys, kvalid, mask_dqk, mask_dv, full_lo + run0, full_hi + run0, n_q, off_r, off_l,
+                             scale_log2, mask_src, n_k, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+                             lst, SP_BITS, maxb, FULL_LIST, SP_BM, SP_BN,
                              BLOCK_M, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC, HAS_KV_LENS)
         if LEFT or HAS_MASK or SPARSE:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, LSE + row_base, DELTA + row_base, s_qn, s_don,
@@ -261,8 +265,9 @@ def _attn_bwd_dq_kernel(
     RIGHT: tl.constexpr, LEFT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_KV_LENS: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
-    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
+    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr, SP_RUNS: tl.constexpr,
 ):
+    FULL_LIST: tl.constexpr = SPARSE and not SP_RUNS  # SP_RUNS: consecutive full blocks, no list read
     pid_m = tl.program_id(0)
     if SPARSE:  # last row blocks first: with causal-like masks they carry the most key blocks
         pid_m = tl.cdiv(N_Q, BLOCK_M) - 1 - pid_m
@@ -313,12 +318,15 @@ def _attn_bwd_dq_kernel(
     mask_src = MASK + b * s_mb + h * s_mh
     lst = SP_ROW  # the block list (SPARSE)
     maxb = s_rn
+    run0 = 0  # the unmasked loop's offset (SP_RUNS)
     if SPARSE:  # this row block's list of the block mask: full key blocks, then partial ones
         lst, n_full, n_part, maxb = sparse_list(SP_ROW, b, h, m0 // SP_BM, s_rb, s_rh, s_rn)
         lo = 0  # virtual positions over the list: [0, full_hi) its full blocks, [full_hi, hi) its partial ones
         full_lo = 0
         full_hi = n_full * SP_BN
         hi = (n_full + n_part) * SP_BN
+        if SP_RUNS:  # the unmasked loop over keys from the first full block on
+            run0 = tl.load(lst + 2) * SP_BN
     else:
         lo, full_lo, full_hi, hi = key_blocks(m0, n_kv, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
         if HAS_MASK:  # every block reads its tile of the mask
@@ -329,8 +337,8 @@ def _attn_bwd_dq_kernel(
                        HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
                        BLOCK_N, True, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
-                   full_lo, full_hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
-                   HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN,
+                   full_lo + run0, full_hi + run0, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
+                   HAS_MASK, MASK_BOOL, MASK_ROWS, lst, SP_BITS, maxb, FULL_LIST, SP_BM, SP_BN,
                    BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV, DOT_PREC)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, s_kn, s_vn, rows, offs_n, mask_dqk, mask_dv,
                    full_hi, hi, n_kv, off_r, off_l, scale_log2, mask_src, n_q, s_mm, s_mn,
@@ -370,7 +378,8 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     masks, mask_flags = mask_args(a)
     common = dict(N_Q_BUCKET=length_bucket(a.n_q), N_K_BUCKET=length_bucket(a.n_k), D_QK=a.d_qk,
                   D_V=a.d_v, BLOCK_DQK=bdqk, BLOCK_DV=bdv, **mask_flags,
-                  DOT_PREC=dot_precision(q.dtype), ALIGN=align, HAS_KV_LENS=a.kv_lens is not None)
+                  DOT_PREC=dot_precision(q.dtype), ALIGN=align, HAS_KV_LENS=a.kv_lens is not None,
+                  SP_RUNS=a.sparse is not None and a.sparse.runs)
     seqs = aux_tensors(a, lse)
     sizes = (*stat_strides(a), *mask_strides(a), a.h_q, a.groups, a.n_q, a.n_k, *masks, a.scale * LOG2E, a.scale)
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731

@@ -221,7 +221,7 @@ def _lse(m_i, l_i):
 
 
 _FWD_KEY = ["N_Q_BUCKET", "N_K_BUCKET", "BLOCK_DQK", "BLOCK_DV", "RIGHT", "LEFT", "VARLEN", "HAS_MASK",
-            "SPARSE", "SP_BM", "SP_BN", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"]
+            "SPARSE", "SP_BM", "SP_BN", "SP_RUNS", "HAS_TQ", "HAS_TK", "HAS_TV", "DOT_PREC", "TMA", "SPLIT"]
 
 
 @triton.autotune(configs=tile_configs(FWD_TILES), key=_FWD_KEY,
@@ -245,8 +245,10 @@ def _attn_fwd_kernel(
     EVEN_DQK: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_KV_LENS: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
-    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr,
+    SPARSE: tl.constexpr, SP_BM: tl.constexpr, SP_BN: tl.constexpr, SP_RUNS: tl.constexpr,
 ):
+    # SP_RUNS: every list's full blocks are consecutive, so the unmasked loop needs no list
+    FULL_LIST: tl.constexpr = SPARSE and not SP_RUNS
     if SPLIT:  # a 1-D grid: row blocks in (batch, head, block) order, then the key shards (_split.py)
         n_mb = tl.cdiv(N_Q, BLOCK_M)
         block, shard, part, shards = split_decode(n_mb * H_Q * BATCH, SLOTS)
@@ -328,6 +330,7 @@ def _attn_fwd_kernel(
     mask_src = MASK + b * s_mb + h * s_mh
     lst = SP_ROW  # the block list (SPARSE)
     maxb = s_rn
+    run0 = 0  # the unmasked loop's offset (SP_RUNS)
     if SPARSE:  # this row block's list of the block mask: its full blocks unmasked, then the partial ones
         tl.static_assert(SP_BM % BLOCK_M == 0 and SP_BN % BLOCK_N == 0, "the tiles divide the mask's blocks")
         lst, n_full, n_part, maxb = sparse_list(SP_ROW, b, h, m0 // SP_BM, s_rb, s_rh, s_rn)
@@ -336,6 +339,8 @@ def _attn_fwd_kernel(
         full_lo = 0
         full_hi = n_full * SP_BN
         hi = (n_full + n_part) * SP_BN
+        if SP_RUNS:  # the unmasked loop over keys from the first full block on
+            run0 = tl.load(lst + 2) * SP_BN
     else:
         # Key blocks every row of this block sees completely run unmasked; the rest are masked. The
         # masked loops are compiled only where they can run: a window's left edge (LEFT), causality or
@@ -359,9 +364,9 @@ def _attn_fwd_kernel(
             HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
     acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
         acc_o, acc_t, m_i, l_i, r_i, q, tq, k_src, v_src, tk_src, tv_src,
-        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_lo, full_hi, n_kv, off_r, off_l,
-        scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
-        lst, SP_BITS, maxb, SPARSE, SP_BM, SP_BN, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
+        s_kn, s_vn, s_tkn, s_tvn, offs_m, offs_n, mask_dqk, mask_dv, full_lo + run0, full_hi + run0, n_kv,
+        off_r, off_l, scale_log2, scale, b32, hkv32, mask_src, n_q, s_mm, s_mn, HAS_MASK, MASK_BOOL, MASK_ROWS,
+        lst, SP_BITS, maxb, FULL_LIST, SP_BM, SP_BN, BLOCK_N, False, RIGHT, LEFT, EVEN_DQK, EVEN_DV,
         HAS_TQ, HAS_TK, HAS_TV, DOT_PREC, TMA)
     if RIGHT or KEY_TAIL or HAS_MASK or SPARSE:
         acc_o, acc_t, m_i, l_i, r_i = _fwd_inner(
@@ -503,7 +508,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
             STORE_MU=mu is not None, DOT_PREC=dot_precision(q.dtype),
             ALIGN=vector_align(strides, a.d_qk, a.d_v), TMA=tma, SPLIT=slots > 0,
-            HAS_KV_LENS=a.kv_lens is not None,
+            HAS_KV_LENS=a.kv_lens is not None, SP_RUNS=a.sparse is not None and a.sparse.runs,
         )
     if key is not None and plan is not None and not tma and not slots:  # one launch, tensors only: kept
         _PLANS.put(key, plan)

@@ -43,7 +43,7 @@ from flashjvp._validate import AttnArgs, check_inputs, varlen_args
 # bottom-right diagonal; a missing third entry means 0), for packed sequences cu_q, cu_k, max_q,
 # max_k (the tensors are then the (1, total, H, D) views), the attention mask (its
 # (B, Hq, Nq, Nk) view, or None), and a block mask as _sparse.SparsePlan's row, col and bits tensors
-# with its block sizes [block_m, block_n] (all None without one: the defaults).
+# with [block_m, block_n, runs] (all None without one: the defaults).
 def options(a: AttnArgs) -> tuple:
     """The operators' trailing arguments for the call ``a``."""
     vl, sp = a.varlen, a.sparse
@@ -51,7 +51,7 @@ def options(a: AttnArgs) -> tuple:
     return (a.causal, a.scale, a.layout, a.kv_lens, window,
             None if vl is None else vl.cu_q, None if vl is None else vl.cu_k,
             0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k, a.mask,
-            *((None, None, None, None) if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n])))
+            *((None, None, None, None) if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n, int(sp.runs)])))
 
 
 # AttnArgs of the operators' plain calls (no tensor option, no window) by sizes, dtypes, devices
@@ -80,7 +80,8 @@ def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, windo
     sparse = None
     if sp_row is not None:
         seq = 2 if layout == "bhnd" else 1
-        sparse = SparsePlan(sp_row, sp_col, sp_bits, sp_block[0], sp_block[1], 0.0, q.shape[seq], k.shape[seq])
+        sparse = SparsePlan(sp_row, sp_col, sp_bits, sp_block[0], sp_block[1], 0.0, q.shape[seq], k.shape[seq],
+                            bool(sp_block[2]))
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
                      window=tuple(window[:2]) if window else None, attn_mask=mask, align=align, sparse=sparse)
     if cu_q is not None:  # checked by the public function: no device-to-host copy here

@@ -8,7 +8,9 @@ same per key block over query blocks. ``bits`` is (P + 1, BLOCK_M, ceil(BLOCK_N 
 bit ``c % 32`` of word ``c // 32`` of row ``r`` of slot ``s`` says whether query ``r`` of that
 partial block sees its key ``c`` (``mask_mod`` evaluated once, keys past ``KV_LEN`` cleared).
 Memory is O(partial blocks x tile / 32) words, never Nq x Nk. A full block that reaches past
-the last key is listed as partial, so that full blocks load their keys unmasked.
+the last key is listed as partial, so that full blocks load their keys unmasked. Where every
+list's full blocks are consecutive (``runs``), the kernels' unmasked loops step through the keys
+(queries) from the first full block instead of reading each block's index from the list.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class SparsePlan:
     visible: float  # share of the (query, key) pairs that the mask lets through (benchmarks)
     n_q: int
     n_k: int
+    # every row's and column's full blocks are consecutive (causal-like, frame-causal, document and
+    # window masks): the kernels then run the unmasked loop from the first one, as without a mask
+    runs: bool = False
 
 
 def dense_mask(plan: SparsePlan) -> torch.Tensor:
@@ -127,8 +132,15 @@ def build_plan(bm) -> SparsePlan:
     full = ((state == 2) * rows[:, None] * keys[None, :]).sum()
     partial = _popcount(bits[1:], where, block_m, rows)
     visible = float(full + partial) / (state.shape[0] * state.shape[1] * n_q * n_k)
-    return SparsePlan(_lists(state, slot), _lists(state.transpose(-1, -2), slot.transpose(-1, -2)), bits,
-                      block_m, block_n, visible, n_q, n_k)
+    row, col = _lists(state, slot), _lists(state.transpose(-1, -2), slot.transpose(-1, -2))
+    return SparsePlan(row, col, bits, block_m, block_n, visible, n_q, n_k, _full_runs(row) and _full_runs(col))
+
+
+def _full_runs(lists: torch.Tensor) -> bool:
+    """Whether the full blocks of every list are consecutive (listed in ascending order)."""
+    n_full, first = lists[..., 0].long(), lists[..., 2].long()
+    last = lists[..., 2:].gather(-1, (n_full - 1).clamp(min=0)[..., None])[..., 0].long()
+    return bool(((n_full == 0) | (last - first == n_full - 1)).all())
 
 
 def _popcount(bits: torch.Tensor, where: torch.Tensor, block_m: int, rows: torch.Tensor) -> int:
