@@ -51,7 +51,7 @@ def options(a: AttnArgs) -> tuple:
     return (a.causal, a.scale, a.layout, a.kv_lens, window,
             None if vl is None else vl.cu_q, None if vl is None else vl.cu_k,
             0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k, a.mask,
-            *((None, None, None, None) if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n, int(sp.runs)])))
+            *((None,) * 4 if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n, int(sp.runs)])))
 
 
 # AttnArgs of the operators' plain calls (no tensor option, no window) by sizes, dtypes, devices
