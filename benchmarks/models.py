@@ -11,6 +11,8 @@ math backend, the only one with forward-mode AD), ``torch-math`` (plain steps, m
 ``flashjvp`` (inside ``flashjvp.patch_sdpa()``). Modes ``compile`` / ``reduce-overhead`` compile
 forward + JVP + loss (``backward()`` runs the compiled backward), else the network alone
 (``compiled`` says which). A failure (out of memory, a compile error) is a row with its reason.
+With ``--bf16-weights`` on the GPU the JVP steps of both providers compute layer norms in float32
+(``float_layer_norm``: PyTorch's CUDA layer norm promotes a bf16 tangent to float32 otherwise).
 """
 
 from __future__ import annotations
@@ -202,6 +204,32 @@ class Row:
     reason: str = ""
 
 
+def layer_norm_tangent_mixes(device) -> bool:
+    """Whether ``F.layer_norm`` on bf16 input gives a tangent of another dtype under forward AD:
+    PyTorch's CUDA kernel keeps its statistics in float32 and the JVP formula promotes the tangent
+    with them, and the next bf16 Linear then refuses the mix ("mat1 and mat2 must have the same
+    dtype"). The CPU kernel keeps bf16 statistics."""
+    x = torch.randn(2, 8, device=device, dtype=torch.bfloat16)
+    return torch.func.jvp(lambda x: F.layer_norm(x, (8,)), (x,), (x,))[1].dtype != x.dtype
+
+
+@contextlib.contextmanager
+def float_layer_norm():
+    """Layer norms computed in float32 and cast back to the input's dtype (diffusers' FP32LayerNorm):
+    the cast takes the tangent back to bf16 (``layer_norm_tangent_mixes``). Used for both providers."""
+    layer_norm = F.layer_norm
+
+    def in_float(x, shape, weight=None, bias=None, eps=1e-5):
+        f = lambda t: None if t is None else t.float()  # noqa: E731
+        return layer_norm(x.float(), shape, f(weight), f(bias), eps).to(x.dtype)
+
+    torch.nn.functional.layer_norm = in_float
+    try:
+        yield
+    finally:
+        torch.nn.functional.layer_norm = layer_norm
+
+
 def sdpa_context(provider: str, step: str):
     """flashjvp: patch_sdpa; torch: the math backend for JVP steps (the others lack forward AD)."""
     if provider == "flashjvp":
@@ -239,13 +267,15 @@ def run_row(case: Case, row: Row, args, cuda: bool) -> Row:
     loss = LOSSES[row.step]
     plain = args.tiny or args.bf16_weights
     cast = contextlib.nullcontext() if plain else torch.autocast(case.target.device.type, dtype=torch.bfloat16)
+    norm = (float_layer_norm() if row.step != "plain" and getattr(args, "float_layer_norm", False)
+            else contextlib.nullcontext())
     kw = {"mode": "reduce-overhead"} if row.mode == "reduce-overhead" else {}
 
     def step_of(fn: Callable) -> Callable:
         def step():
             if row.mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
-            with sdpa_context(row.provider, row.step), cast:
+            with sdpa_context(row.provider, row.step), cast, norm:
                 fn().backward()
         return step
 
@@ -310,7 +340,10 @@ def format_report(rows: list[Row], meta: dict) -> str:
              f"warmup {meta['warmup']}, repeat {meta['repeat']}, {meta['date']}  \n`{meta['command']}`",
              "ms: median wall time of one training step (forward, loss, backward); peak MiB: "
              "max_memory_allocated during a step (weights, gradients, inputs included); "
-             "`x / flashjvp`: ms ratio (> 1: flashjvp faster)."]
+             "`x / flashjvp`: ms ratio (> 1: flashjvp faster)."
+             + (" JVP steps of both providers compute layer norms in float32: PyTorch's CUDA layer norm "
+                "gives a bf16 input a float32 tangent, which the next bf16 Linear refuses."
+                if meta.get("float_layer_norm") else "")]
     dims = {r.model: r.dims for r in rows if r.dims}
     parts.append(md_table(["model", "config"], [[m, d] for m, d in dims.items()]))
     providers = list(dict.fromkeys(r.provider for r in rows))
@@ -414,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": "fp32" if args.tiny else "bf16 weights" if args.bf16_weights else "bf16 autocast, fp32 weights",
             "repeat": args.repeat,
             "diffusers": importlib.metadata.version("diffusers") if importlib.util.find_spec("diffusers") else "none"}
+    # bf16 weights on the GPU: JVP steps take float32 layer norms (both providers; see float_layer_norm)
+    args.float_layer_norm = args.bf16_weights and not args.tiny and layer_norm_tangent_mixes(
+        torch.device("cuda" if cuda else "cpu"))
+    meta["float_layer_norm"] = args.float_layer_norm
     out = args.out or results_dir(gpu)
     old = json.loads((out / "models.json").read_text()) if args.append and (out / "models.json").exists() else {}
     if old:

@@ -91,3 +91,22 @@ def test_time_limit_skips(bench, tmp_path):
     _, rows = run(bench, tmp_path, "--models", "dit-xl-block", "wan-block-32k", "--time-limit", "1e-9")
     assert rows and all(r["status"] == "skipped" and "time limit" in r["reason"] for r in rows)
     assert [r["mode"] for r in rows[:6]] == ["eager"] * 6 and rows[6]["model"] == "dit-xl-block"
+
+
+def test_float_layer_norm(bench):
+    """The bf16 workaround for PyTorch's CUDA layer norm: inside ``float_layer_norm`` the tangent
+    keeps the input's dtype and both outputs match float32 math; outside, F.layer_norm is PyTorch's."""
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    t = torch.randn_like(x)
+    w, b = torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
+    layer_norm = torch.nn.functional.layer_norm
+    with bench.float_layer_norm():
+        o, to = torch.func.jvp(lambda x: torch.nn.LayerNorm(16, dtype=torch.bfloat16)(x), (x,), (t,))
+        o2 = torch.nn.functional.layer_norm(x, (16,), w, b)
+    assert torch.nn.functional.layer_norm is layer_norm
+    assert o.dtype == to.dtype == o2.dtype == torch.bfloat16
+    ref, tref = torch.func.jvp(lambda x: layer_norm(x, (16,)), (x.float(),), (t.float(),))
+    torch.testing.assert_close(o.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(to.float(), tref, atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(o2.float(), layer_norm(x.float(), (16,), w.float(), b.float()), atol=3e-2, rtol=2e-2)
+    assert isinstance(bench.layer_norm_tangent_mixes(torch.device("cpu")), bool)
