@@ -181,7 +181,8 @@ def test_forward_ad_inside_and_around_compile():
 
 
 def test_meanflow_step_compiled():
-    """``torch.func.jvp`` inside a compiled training step (one graph), then backward through the primal."""
+    """``torch.func.jvp`` inside a compiled training step (one graph), then backward through the
+    primal: the plain backward kernels, as in eager mode (the tangent gets no cotangent)."""
     xs, kw = _inputs((2, 2, 2, 17, 17, 16, 16, "bhnd", False), torch.float32)
     leaves = [x.detach().clone().requires_grad_() for x in xs[:3]]
 
@@ -189,7 +190,11 @@ def test_meanflow_step_compiled():
         o, to = torch.func.jvp(lambda *a: flashjvp.attention(*a, **kw), (q, k, v), (tq, tk, tv))
         return (o * to.detach()).sum()
 
-    _compile(step, fullgraph=True)(*leaves, *xs[3:]).backward()
+    with LaunchLog() as log:
+        _compile(step, fullgraph=True)(*leaves, *xs[3:]).backward()
+    kernels = [r.kernel for r in log.launches]  # float32: never cuDNN's
+    assert kernels.count("_attn_bwd_dq_kernel") == kernels.count("_attn_bwd_dkdv_kernel") == 1, kernels
+    assert "_attn_bwd_jvp_dq_kernel" not in kernels and "_attn_bwd_jvp_dkdv_kernel" not in kernels, kernels
     ref = [x.clone().requires_grad_() for x in f64(xs[:3])]
     o, to = torch.func.jvp(lambda *a: flashjvp.attention_ref(*a, **kw), tuple(ref), tuple(f64(xs[3:])))
     (o * to.detach()).sum().backward()

@@ -216,12 +216,18 @@ attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 def _fwd_jvp_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)  # unused outputs' cotangents come as None, not zeros
     ctx.save_for_backward(*inputs[:6], *output, *_save_options(ctx, inputs[6:]))
 
 
 def _fwd_jvp_backward(ctx, do, dto, dlse, dmu):
     q, k, v, tq, tk, tv, o, to, lse, mu, *saved = ctx.saved_tensors
-    grads = attn_bwd_jvp_op(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *_load_options(ctx, saved))
+    opts = _load_options(ctx, saved)
+    if dto is None and dlse is None and dmu is None:  # first order (MeanFlow): the plain backward
+        if do is None:
+            return (None,) * (6 + _N_OPTIONS)
+        return (*attn_bwd_op(do, q, k, v, o, lse, *opts), *(None,) * (3 + _N_OPTIONS))
+    grads = attn_bwd_jvp_op(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *opts)
     return (*grads[:3], *(None if t is None else g for t, g in zip((tq, tk, tv), grads[3:])), *(None,) * _N_OPTIONS)
 
 
