@@ -267,8 +267,7 @@ def run_row(case: Case, row: Row, args, cuda: bool) -> Row:
     loss = LOSSES[row.step]
     plain = args.tiny or args.bf16_weights
     cast = contextlib.nullcontext() if plain else torch.autocast(case.target.device.type, dtype=torch.bfloat16)
-    norm = (float_layer_norm() if row.step != "plain" and getattr(args, "float_layer_norm", False)
-            else contextlib.nullcontext())
+    norm = float_layer_norm() if row.step != "plain" and args.float_layer_norm else contextlib.nullcontext()
     kw = {"mode": "reduce-overhead"} if row.mode == "reduce-overhead" else {}
 
     def step_of(fn: Callable) -> Callable:

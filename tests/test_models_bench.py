@@ -101,6 +101,7 @@ def test_float_layer_norm(bench):
     w, b = torch.randn(16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
     layer_norm = torch.nn.functional.layer_norm
     with bench.float_layer_norm():
+        assert torch.nn.functional.layer_norm is not layer_norm  # what nn.LayerNorm calls, replaced
         o, to = torch.func.jvp(lambda x: torch.nn.LayerNorm(16, dtype=torch.bfloat16)(x), (x,), (t,))
         o2 = torch.nn.functional.layer_norm(x, (16,), w, b)
     assert torch.nn.functional.layer_norm is layer_norm
