@@ -300,6 +300,7 @@ def test_diffusers_jvp(diffusers_mod, name, native_backend, monkeypatch):
         fjd.register_backend()
         model.set_attention_backend("flashjvp")
         ref.set_attention_backend("native")
+        model, ref = model.to(DEVICE), ref.to(DEVICE)  # the inputs made below follow the weights' device
         fn, fn64, x, n_attn = make_fn(model, 2, torch.float32), make_fn(ref, 2, torch.float64), torch.randn(shape), 2
         entry = "attention"
     else:
@@ -307,9 +308,10 @@ def test_diffusers_jvp(diffusers_mod, name, native_backend, monkeypatch):
         ref = copy.deepcopy(model).double()
         fjd.apply(model)
         assert {type(m.processor) for m in model.modules() if hasattr(m, "processor")} == {fjd.FlashJVPAttnProcessor}
+        model, ref = model.to(DEVICE), ref.to(DEVICE)
         fn, fn64, x, n_attn = dit_fn(model, 2), dit_fn(ref, 2), torch.randn(2, 4, 8, 8), 2
         entry = None  # patch_sdpa runs flashjvp.sdpa's kernels (counted below), not the spied names
-    model, ref, x = model.to(DEVICE), ref.to(DEVICE), x.to(DEVICE)
+    x = x.to(DEVICE)
     t = torch.randn_like(x)
     spy = Spy(monkeypatch)
     with torch.no_grad(), Launches() as launches, warnings.catch_warnings():
@@ -410,7 +412,8 @@ def test_meanflow_dit_finetune_smoke(diffusers_mod, tmp_path):
     TRITON_INTERPRET (flashjvp's CPU math fallback), then a fine-tune from the saved DiT."""
     pytest.importorskip("sklearn", reason="the example needs scikit-learn")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join((os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")))
+    env["PYTHONPATH"] = os.pathsep.join((os.path.join(ROOT, "src"), os.path.join(ROOT, "tests"),
+                                         *filter(None, [os.environ.get("PYTHONPATH")])))
     # test_models' torchvision workaround (PyPI's CUDA torchvision beside a CPU torch), then the example
     run = ("import sys, runpy; from test_models import _import_torchvision; _import_torchvision(); "
            "runpy.run_path(sys.argv[1])['main'](sys.argv[2:])")
