@@ -22,6 +22,7 @@ is in tests/test_block_mask.py). A failing row is recorded with its error, not f
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 import sys
@@ -100,6 +101,7 @@ def _markdown(meta, rows) -> str:
              f"{meta['block']}; frame-causal visible share {meta['visible']:.4f}; torch {meta['torch']}, "
              f"triton {meta['triton']}. Medians of triton.testing.do_bench, ms. ideal = the row's visible share x "
              "full time; ratio = time / ideal.",
+             "", f"{meta.get('date', '')}  ", f"`{meta.get('command', '')}`",
              "", "| mask | what | share | ms | ideal ms | ratio | note |", "|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
         ms = "" if r.get("ms") is None else f"{r['ms']:.3f}"
@@ -135,7 +137,9 @@ def main(argv=None) -> int:
                 python=platform.python_version(), n=n, frames=args.frames, frame_len=f, batch=args.batch,
                 heads=args.heads, dim=args.dim, block=args.block, visible=plan.visible,
                 mask_prep_s=prep_s, partial_blocks=int(plan.bits.shape[0] - 1),
-                bitmask_bytes=plan.bits.numel() * 4)
+                bitmask_bytes=plan.bits.numel() * 4,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command="python " + " ".join(["benchmarks/block_sparse.py", *sys.argv[1:]]))
     rows: list[dict] = []
 
     def save():
