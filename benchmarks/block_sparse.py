@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import platform
+import shlex
 import sys
 import time
 import traceback
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
                 mask_prep_s=prep_s, partial_blocks=int(plan.bits.shape[0] - 1),
                 bitmask_bytes=plan.bits.numel() * 4,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                command="python " + " ".join(["benchmarks/block_sparse.py", *sys.argv[1:]]))
+                command=shlex.join(["python", "benchmarks/block_sparse.py",
+                                    *(sys.argv[1:] if argv is None else argv)]))
     rows: list[dict] = []
 
     def save():

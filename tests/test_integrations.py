@@ -79,17 +79,6 @@ class Spy:
         return self.calls[name]
 
 
-def close_to_baseline(got, want, base, rtol=1e-4, floor=0.0, factor=2.0):
-    """``got`` (flashjvp, float32) within ``factor`` times the error of ``base`` (the same model
-    with PyTorch's math attention, float32) against ``want`` (float64), plus ``rtol`` of the
-    reference's scale: on CUDA the rest of a model alone can be far from its float64 copy."""
-    want = want.double()
-    scale = max(want.abs().max().item(), floor)
-    err = (got.double() - want).abs().max().item()
-    allowed = factor * (base.double() - want).abs().max().item() + rtol * scale
-    assert err <= allowed, f"max error {err:.3g} > {factor} * math's error + {rtol} * {scale:.3g} = {allowed:.3g}"
-
-
 def jvp_close(got, want, rtol=1e-4, rows=None):
     """(out, tangent) pairs, float32 against the float64 reference; ``rows``: a bool (B, N) mask
     of the positions to compare (padding positions are free)."""
@@ -339,7 +328,7 @@ def test_diffusers_jvp(diffusers_mod, name, native_backend, monkeypatch):
         want = torch.func.jvp(lambda h: fn64(h.double()), (x.double(),), (t.double(),))
         baseline = torch.func.jvp(fn32, (x,), (t,))
     for g, w, b in zip(got, want, baseline):
-        close_to_baseline(g, w, b)
+        assert_close_rel(g, w, rtol=1e-4, base=b)
 
 
 def test_diffusers_dit_meanflow_trains(diffusers_mod):
@@ -374,7 +363,7 @@ def test_diffusers_dit_meanflow_trains(diffusers_mod):
     for (name, p), q, b in zip(model.named_parameters(), ref.parameters(), base.parameters()):
         if q.grad is not None:
             try:
-                close_to_baseline(p.grad, q.grad, b.grad, rtol=1e-3, floor=1e-2 * largest)
+                assert_close_rel(p.grad, q.grad, rtol=1e-3, floor=1e-2 * largest, base=b.grad)
             except AssertionError as e:
                 raise AssertionError(f"gradient of {name}: {e}") from None
     assert_trains(model, loss_of, lr=1e-3)
