@@ -5,6 +5,9 @@ a compiled path that dropped the custom jvp rule would give a wrong tangent, not
 On the CPU the kernels run in Triton's interpreter inside the operators and the graph around
 them is compiled by AOTAutograd (``aot_eager``); on a GPU by Inductor."""
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -13,7 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashjvp
 from flashjvp._launch import LaunchLog
-from flashjvp._ops import attn_bwd_jvp_op, attn_bwd_op, attn_fwd_jvp_op, attn_fwd_op
+from flashjvp._ops import attn_bwd_jvp_op, attn_bwd_op, attn_fwd_jvp_op, attn_fwd_op, options
+from flashjvp._validate import check_inputs, check_varlen
 from helpers import DEVICE, ON_GPU, assert_close, f64, grad_refs, jvp_refs, make_qkv
 
 BACKEND = "inductor" if ON_GPU else "aot_eager"
@@ -311,6 +315,12 @@ def test_sdpa_compiled_fullgraph():
     f = _compile(lambda q, k, v: flashjvp.sdpa(q, k, v, is_causal=True), fullgraph=True)
     expected = torch.nn.functional.scaled_dot_product_attention(*f64((q, k, v)), is_causal=True)
     torch.testing.assert_close(f(q, k, v).double(), expected, rtol=1e-4, atol=1e-5)
+    # views of one packed projection: out comes in the query's (B, N, H, D) order, as SDPA's
+    q, k, v = torch.randn(2, 33, 3, 4, 16, device=DEVICE).permute(2, 0, 3, 1, 4)
+    out = f(q, k, v)
+    assert out.transpose(1, 2).is_contiguous(), out.stride()
+    expected = torch.nn.functional.scaled_dot_product_attention(*f64((q, k, v)), is_causal=True)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_patch_sdpa_compiled_module():
@@ -330,7 +340,8 @@ def test_opcheck(layout):
     """The operators' schemas, fake implementations, autograd registration and strides agree
     with their real implementations (``torch.library.opcheck``)."""
     q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 9, 13, 16, 16, layout, torch.float32)
-    opts = ("top_left", 0.25, layout, None, [], None, None, 0, 0, None)  # see _ops.options
+    check = functools.partial(check_inputs, q, k, v, scale=0.25, layout=layout, allow_float64=False)
+    opts = options(check(causal="top_left"))
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     torch.library.opcheck(attn_fwd_op, (*leaves, *opts))
     torch.library.opcheck(attn_fwd_jvp_op, (q, k, v, tq, None, tv, *opts))
@@ -341,12 +352,20 @@ def test_opcheck(layout):
     o, to, lse, mu = attn_fwd_jvp_op(q, k, v, tq.detach(), None, tv, *opts)
     cot = [torch.randn_like(x) for x in (o, o, lse, lse)]
     torch.library.opcheck(attn_bwd_jvp_op, (q, k, v, tq.detach(), None, tv, o, to, lse, mu, *cot, *opts))
-    padded = (*opts[:3], torch.tensor([7], device=DEVICE), [3, 2], *opts[5:])  # 7 of 13 keys, a window
+    padded = options(check(causal="top_left", kv_lens=torch.tensor([7], device=DEVICE), window=(3, 2)))  # 7 of 13 keys
     torch.library.opcheck(attn_fwd_op, (*leaves, *padded))
     torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq, None, tv, *padded))
-    masked = (*opts[:-1], torch.rand(1, 1, 9, 13, device=DEVICE) > 0.3)  # a boolean attention mask
+    masked = options(check(causal="top_left", attn_mask=torch.rand(1, 1, 9, 13, device=DEVICE) > 0.3))
     torch.library.opcheck(attn_fwd_op, (*leaves, *masked))
     torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq, None, tv, *masked))
+    # outputs in q's order of dimensions (sdpa's convention) for a q stored with dims 1 and 2 swapped
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 1, 9, 13, 16, 16, layout, torch.float32, kinds=("swapped", "sliced"))
+    like_q = options(dataclasses.replace(check_inputs(q, k, v, layout=layout, allow_float64=False), out_like_q=True))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(attn_fwd_op, (*leaves, *like_q))
+    torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq, None, tv, *like_q))
+    o, to, *_ = attn_fwd_jvp_op(q, k, v, tq, None, tv, *like_q)
+    assert o.stride() == to.stride() == torch.empty_like(q).stride() != q.new_empty(q.shape).stride()
 
 
 def test_opcheck_varlen():
@@ -354,7 +373,8 @@ def test_opcheck_varlen():
     q, k, v, tq, tk, tv = (x[:1] for x in make_qkv(1, 2, 1, 12, 15, 16, 16, "bnhd", torch.float32))
     cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=DEVICE)
     cu_k = torch.tensor([0, 4, 9, 15], dtype=torch.int32, device=DEVICE)
-    opts = ("bottom_right", 0.25, "bnhd", None, [], cu_q, cu_k, 7, 6, None)
+    opts = options(check_varlen(q[0], k[0], v[0], None, None, None, cu_q, cu_k, 7, 6, causal=True, scale=0.25,
+                                allow_float64=False))
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
     torch.library.opcheck(attn_fwd_op, (*leaves, *opts))
     torch.library.opcheck(attn_fwd_jvp_op, (*leaves, tq.requires_grad_(), tk, None, *opts))
@@ -368,7 +388,7 @@ def test_fake_shapes_without_running():
         q = torch.empty(2, 7, 4, 40, dtype=torch.bfloat16, device=DEVICE)  # bnhd
         k = torch.empty(2, 9, 2, 40, dtype=torch.bfloat16, device=DEVICE)
         v = torch.empty(2, 9, 2, 24, dtype=torch.bfloat16, device=DEVICE)
-        opts = (None, 0.5, "bnhd", None, [], None, None, 0, 0, None)
+        opts = options(check_inputs(q, k, v, scale=0.5, layout="bnhd", allow_float64=False))
         o, to, lse, mu = attn_fwd_jvp_op(q, k, v, q, None, None, *opts)
         dq, dk, dv = attn_bwd_op(o, q, k, v, o, lse, *opts)
     assert o.shape == to.shape == (2, 7, 4, 24) and o.is_contiguous() and o.dtype == torch.bfloat16

@@ -120,6 +120,42 @@ def test_forward_ad_dual_tensors():
     torch.testing.assert_close(tout, tref, **TOL)
 
 
+def packed_projection(b, n, h, d, seed):
+    """q, k, v cut out of one (B, N, 3, H, D) projection, as a DiT block does: (B, H, N, D) views
+    whose memory is in (B, N, H, D) order."""
+    return rand(b, n, 3, h, d, seed=seed).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+@pytest.mark.parametrize("mode", ["plain", "jvp", "grad"])
+def test_output_in_query_order(mode):
+    """Like SDPA's fused kernels, flashjvp gives ``out`` (and its tangent) in the query's order of
+    dimensions, so that a model's ``out.transpose(1, 2).reshape(B, N, H * D)`` is a view, not a
+    copy; every element is written (outputs start as NaN) and right."""
+    b, n, h, d = 2, 19, 3, 8
+    primals = packed_projection(b, n, h, d, seed=3)
+    tangents = packed_projection(b, n, h, d, seed=4)
+    if mode == "grad":
+        primals = tuple(x.detach().requires_grad_() for x in primals)
+    with Launches() as launches:
+        if mode == "jvp":
+            out, tout = torch.func.jvp(lambda q, k, v: sdpa(q, k, v, is_causal=True), primals, tangents)
+        else:
+            out = sdpa(*primals, is_causal=True)
+    assert launches.fwd == 1
+    ref, tref = torch.func.jvp(lambda *x: math_sdpa_torch(*x, is_causal=True), primals, tangents)
+    assert out.transpose(1, 2).is_contiguous(), f"out strides {out.stride()}, not in the query's order"
+    torch.testing.assert_close(out, ref, **TOL)
+    if mode == "jvp":
+        assert tout.stride() == out.stride()
+        torch.testing.assert_close(tout, tref, **TOL)
+    if mode == "grad":
+        do = rand(*out.shape, seed=5)
+        got = torch.autograd.grad(out, primals, do)
+        want = torch.autograd.grad(math_sdpa_torch(*primals, is_causal=True), primals, do)
+        for name, g, w in zip("qkv", got, want):
+            torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+
+
 @pytest.mark.parametrize("b, hq, hkv, nq, nk, d, dv, causal, scale, gqa", KERNEL_CASES[1:5])
 def test_backward_matches_torch_sdpa(b, hq, hkv, nq, nk, d, dv, causal, scale, gqa):
     kw = dict(is_causal=causal, scale=scale, enable_gqa=gqa)

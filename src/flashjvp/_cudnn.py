@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashjvp._launch import LaunchLog, record_launch
+from flashjvp._launch import LaunchLog, matching_layout_strides, out_strides, record_launch
 from flashjvp._policy import cudnn_mode, env, length_bucket
 from flashjvp._validate import AttnArgs, bhnd_view
 
@@ -176,17 +176,6 @@ def _empty_like_strides(shape: tuple, strides: tuple) -> tuple[int, ...]:
     return torch.empty_like(torch.empty_strided(shape, strides, device="meta")).stride()
 
 
-def matching_layout_strides(q: torch.Tensor, shape) -> tuple[int, ...]:
-    """Dense strides for ``shape`` with q's dimension order (smallest stride innermost; ties keep
-    the dimension order): PyTorch's ``alloc_with_matching_layout`` for cuDNN's output ``o``."""
-    order = sorted(range(q.dim()), key=lambda i: q.stride(i))  # stable: ties keep dim order
-    strides, acc = [0] * len(shape), 1
-    for i in order:
-        strides[i] = acc
-        acc *= shape[i]
-    return tuple(strides)
-
-
 def with_strides(x: torch.Tensor, strides, *, align: bool = False) -> torch.Tensor:
     """``x`` with exactly ``strides``: itself; a view when only the strides of size-1 dimensions
     differ (they address nothing); else a copy. ``align``: also copy when x's data pointer is not
@@ -204,15 +193,15 @@ def with_strides(x: torch.Tensor, strides, *, align: bool = False) -> torch.Tens
 
 
 def cudnn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *, need_lse: bool = True):
-    """``(o, lse)`` of attention through PyTorch's cuDNN SDPA: ``o`` contiguous in ``a.layout``
-    (as ``attn_fwd``'s), ``lse`` (B, Hq, Nq) float32 contiguous, natural log, or None without
+    """``(o, lse)`` of attention through PyTorch's cuDNN SDPA: ``o`` with ``attn_fwd``'s strides
+    (``_launch.out_strides``), ``lse`` (B, Hq, Nq) float32 contiguous, natural log, or None without
     ``need_lse`` (cuDNN's inference kernel: no backward follows). For cases
     :func:`cudnn_supported` accepts (no check here)."""
     fwd, _ = _ops()
     out = fwd(bhnd_view(q, a.layout), bhnd_view(k, a.layout), bhnd_view(v, a.layout), None, need_lse, 0.0,
               a.causal is not None, False, scale=a.scale)
     o = bhnd_view(out[0], a.layout)  # back to the call's layout
-    o = with_strides(o, contiguous_strides(o.shape))
+    o = with_strides(o, out_strides(a, q) or contiguous_strides(o.shape))  # a view where cuDNN's are those
     if LaunchLog._active:
         record_launch("cudnn_sdpa_fwd", {}, CAUSAL=a.causal is not None, LAYOUT=a.layout, LSE=need_lse)
     if not need_lse:

@@ -184,12 +184,36 @@ def out_shape(batch: int, heads: int, n: int, d: int, layout: str) -> tuple[int,
     return (batch, heads, n, d) if layout == "bhnd" else (batch, n, heads, d)
 
 
+def out_strides(a, q: torch.Tensor) -> tuple[int, ...] | None:
+    """Strides of the call's outputs ``o`` and ``to``: with ``a.out_like_q`` dense in q's order of
+    dimensions, as PyTorch's SDPA allocates them; None: contiguous in the call's layout (also
+    for packed batches, and for a q whose head dim is not its innermost, unit-stride dimension)."""
+    if not a.out_like_q or a.varlen is not None or q.stride(-1) != 1 or 0 in q.stride():
+        return None
+    return matching_layout_strides(q, out_shape(a.batch, a.h_q, a.n_q, a.d_v, a.layout))
+
+
+def matching_layout_strides(q: torch.Tensor, shape) -> tuple[int, ...]:
+    """Dense strides for ``shape`` with q's dimension order (smallest stride innermost; ties keep
+    the dimension order): PyTorch's ``alloc_with_matching_layout`` for cuDNN's output ``o``."""
+    order = sorted(range(q.dim()), key=lambda i: q.stride(i))  # stable: ties keep dim order
+    strides, acc = [0] * len(shape), 1
+    for i in order:
+        strides[i] = acc
+        acc *= shape[i]
+    return tuple(strides)
+
+
 def out_buffer(a, like: torch.Tensor) -> torch.Tensor:
-    """The attention output of the call ``a`` (an ``AttnArgs``), contiguous in its layout; for
-    packed sequences the (1, total_q, Hq, Dv) view of the packed output."""
+    """The attention output of the call ``a`` (an ``AttnArgs``), with ``out_strides`` (by default
+    contiguous in its layout); for packed sequences the (1, total_q, Hq, Dv) view of the packed
+    output."""
     shape = ((1, a.varlen.total_q, a.h_q, a.d_v) if a.varlen is not None
              else out_shape(a.batch, a.h_q, a.n_q, a.d_v, a.layout))
-    return new_buffer(shape, like.dtype, like.device)
+    strides = out_strides(a, like)
+    if strides is None:
+        return new_buffer(shape, like.dtype, like.device)
+    return _poisoned(torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device))
 
 
 def stat_buffer(a, device) -> torch.Tensor:

@@ -27,6 +27,8 @@ Why custom operators with ``register_autograd`` for the compiled path, and the e
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -35,23 +37,29 @@ from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
 from flashjvp._launch import PlanCache, out_buffer, stat_buffer
 from flashjvp._sparse import SparsePlan
-from flashjvp._validate import AttnArgs, check_inputs, varlen_args
+from flashjvp._validate import LAYOUTS, AttnArgs, check_inputs, varlen_args
+
+# Every operator ends with the call's options, ``options(a)``: ``flags``, a list of integers
+# (fields _F_*: causal, layout, window, packed-batch longest lengths, block-mask blocks, outputs in
+# q's order), then ``scale`` and the tensor options kv_lens, cu_q, cu_k (packed sequences: the tensors
+# are then the (1, total, H, D) views), the attention mask (its (B, Hq, Nq, Nk) view) and a block
+# mask as _sparse.SparsePlan's row, col and bits tensors (None where absent). Packed, because the
+# dispatcher's cost grows with the number of arguments it converts.
+_CAUSALS = (None, "top_left", "bottom_right")
+(_F_CAUSAL, _F_LAYOUT, _F_WINDOW, _F_LEFT, _F_RIGHT, _F_BOTTOM_RIGHT, _F_MAX_Q, _F_MAX_K, _F_BLOCK_M, _F_BLOCK_N,
+ _F_RUNS, _F_OUT_LIKE_Q) = range(12)
 
 
-# Every operator ends with the call's options, ``options(a)``: causal, scale, layout, kv_lens,
-# window ([] or [left, right, bottom_right], bottom_right 1 where the window is measured from the
-# bottom-right diagonal; a missing third entry means 0), for packed sequences cu_q, cu_k, max_q,
-# max_k (the tensors are then the (1, total, H, D) views), the attention mask (its
-# (B, Hq, Nq, Nk) view, or None), and a block mask as _sparse.SparsePlan's row, col and bits tensors
-# with [block_m, block_n, runs] (all None without one: the defaults).
 def options(a: AttnArgs) -> tuple:
     """The operators' trailing arguments for the call ``a``."""
     vl, sp = a.varlen, a.sparse
-    window = [] if a.window is None else [*a.window, int(a.diagonal == "bottom_right")]
-    return (a.causal, a.scale, a.layout, a.kv_lens, window,
-            None if vl is None else vl.cu_q, None if vl is None else vl.cu_k,
-            0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k, a.mask,
-            *((None,) * 4 if sp is None else (sp.row, sp.col, sp.bits, [sp.block_m, sp.block_n, int(sp.runs)])))
+    left, right = a.window or (-1, -1)
+    flags = [_CAUSALS.index(a.causal), LAYOUTS.index(a.layout), int(a.window is not None), left, right,
+             int(a.diagonal == "bottom_right"), 0 if vl is None else vl.max_q, 0 if vl is None else vl.max_k,
+             0 if sp is None else sp.block_m, 0 if sp is None else sp.block_n, int(sp is not None and sp.runs),
+             int(a.out_like_q)]
+    return (flags, a.scale, a.kv_lens, None if vl is None else vl.cu_q, None if vl is None else vl.cu_k, a.mask,
+            *((None,) * 3 if sp is None else (sp.row, sp.col, sp.bits)))
 
 
 # AttnArgs of the operators' plain calls (no tensor option, no window) by sizes, dtypes, devices
@@ -60,33 +68,39 @@ def options(a: AttnArgs) -> tuple:
 _PLAIN = PlanCache()
 
 
-def _args(q: Tensor, k: Tensor, v: Tensor, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q,
-          max_k, mask, sp_row=None, sp_col=None, sp_bits=None, sp_block=None) -> AttnArgs:
-    if kv_lens is None and not window and cu_q is None and mask is None and sp_row is None:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal, scale,
-               layout)
+def _args(q: Tensor, k: Tensor, v: Tensor, flags: list[int], scale: float, kv_lens=None, cu_q=None, cu_k=None,
+          mask=None, sp_row=None, sp_col=None, sp_bits=None) -> AttnArgs:
+    """The ``AttnArgs`` the operators' arguments stand for (the inverse of ``options``)."""
+    if kv_lens is None and cu_q is None and mask is None and sp_row is None and not flags[_F_WINDOW]:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, tuple(flags),
+               scale)
         try:
             a = _PLAIN.get(key)
         except TypeError:  # symbolic sizes (dynamic shapes, while tracing): not cached
             a = key = None
         if a is None:
-            a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False)
+            a = _checked(q, k, v, flags, scale)
             if key is not None:
                 _PLAIN.put(key, a)
         return a
-    align = None
-    if window:
-        align = "bottom_right" if len(window) > 2 and window[2] else "top_left"
+    return _checked(q, k, v, flags, scale, kv_lens, cu_q, cu_k, mask, sp_row, sp_col, sp_bits)
+
+
+def _checked(q, k, v, flags, scale, kv_lens=None, cu_q=None, cu_k=None, mask=None, sp_row=None, sp_col=None,
+             sp_bits=None) -> AttnArgs:
+    layout = LAYOUTS[flags[_F_LAYOUT]]
+    window = (flags[_F_LEFT], flags[_F_RIGHT]) if flags[_F_WINDOW] else None
+    align = ("bottom_right" if flags[_F_BOTTOM_RIGHT] else "top_left") if window else None
     sparse = None
     if sp_row is not None:
         seq = 2 if layout == "bhnd" else 1
-        sparse = SparsePlan(sp_row, sp_col, sp_bits, sp_block[0], sp_block[1], 0.0, q.shape[seq], k.shape[seq],
-                            bool(sp_block[2]))
-    a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
-                     window=tuple(window[:2]) if window else None, attn_mask=mask, align=align, sparse=sparse)
+        sparse = SparsePlan(sp_row, sp_col, sp_bits, flags[_F_BLOCK_M], flags[_F_BLOCK_N], 0.0, q.shape[seq],
+                            k.shape[seq], bool(flags[_F_RUNS]))
+    a = check_inputs(q, k, v, causal=_CAUSALS[flags[_F_CAUSAL]], scale=scale, layout=layout, allow_float64=False,
+                     kv_lens=kv_lens, window=window, attn_mask=mask, align=align, sparse=sparse)
     if cu_q is not None:  # checked by the public function: no device-to-host copy here
-        a = varlen_args(a, q.device, cu_q, cu_k, max_q, max_k, check_values=False)
-    return a
+        a = varlen_args(a, q.device, cu_q, cu_k, flags[_F_MAX_Q], flags[_F_MAX_K], check_values=False)
+    return dataclasses.replace(a, out_like_q=True) if flags[_F_OUT_LIKE_Q] else a
 
 
 def _o_like(q: Tensor, a: AttnArgs) -> Tensor:  # the launcher's own buffers, faked
@@ -97,84 +111,77 @@ def _lse_like(q: Tensor, a: AttnArgs) -> Tensor:
     return stat_buffer(a, q.device)
 
 
-@torch.library.custom_op("flashjvp::fwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_fwd_op(q: Tensor, k: Tensor, v: Tensor, causal: str | None, scale: float, layout: str,
-                kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
-                max_q: int, max_k: int, mask: Tensor | None,
-                sp_row: Tensor | None = None, sp_col: Tensor | None = None, sp_bits: Tensor | None = None,
-                sp_block: list[int] | None = None) -> tuple[Tensor, Tensor]:
-    """``(o, lse)``: o in ``layout`` (contiguous), lse (B, Hq, Nq) float32."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
-              sp_row, sp_col, sp_bits, sp_block)
-    o, _, lse, _ = attn_fwd(q, k, v, None, None, None, a)
+# Defined with torch.library.Library rather than torch.library.custom_op: the latter wraps each
+# implementation in Python that checks its outputs for aliases on every call, which costs more
+# host time than the launch itself at image-model sizes; these implementations never alias.
+_LIB = torch.library.Library("flashjvp", "DEF")
+_OPTIONS = "int[] flags, float scale, Tensor? kv_lens, Tensor? cu_q, Tensor? cu_k, Tensor? mask, " \
+           "Tensor? sp_row, Tensor? sp_col, Tensor? sp_bits"
+
+
+def _define(schema: str, impl, fake):
+    """Define ``flashjvp::<name>`` with ``schema`` (the options appended), its CPU and CUDA
+    implementation and its fake; returns the operator's ``OpOverload``."""
+    name = schema[:schema.index("(")]
+    _LIB.define(schema.replace("OPTIONS", _OPTIONS))
+    for key in ("CPU", "CUDA"):
+        _LIB.impl(name, impl, key)
+    torch.library.register_fake(f"flashjvp::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.flashjvp, name).default
+
+
+def _fwd(q, k, v, *opts):
+    """``(o, lse)``: o with ``_launch.out_strides``, lse (B, Hq, Nq) float32."""
+    o, _, lse, _ = attn_fwd(q, k, v, None, None, None, _args(q, k, v, *opts))
     return o, lse
 
 
-@attn_fwd_op.register_fake
-def _(q, k, v, *opts):
+def _fwd_fake(q, k, v, *opts):
     a = _args(q, k, v, *opts)
     return _o_like(q, a), _lse_like(q, a)
 
 
-@torch.library.custom_op("flashjvp::fwd_jvp", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_fwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None,
-                    tv: Tensor | None, causal: str | None, scale: float, layout: str,
-                    kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None, cu_k: Tensor | None,
-                    max_q: int, max_k: int, mask: Tensor | None,
-                    sp_row: Tensor | None = None, sp_col: Tensor | None = None, sp_bits: Tensor | None = None,
-                    sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+attn_fwd_op = _define("fwd(Tensor q, Tensor k, Tensor v, OPTIONS) -> (Tensor, Tensor)", _fwd, _fwd_fake)
+
+
+def _fwd_jvp(q, k, v, tq, tk, tv, *opts):
     """``(o, to, lse, mu)`` of one fused launch; ``to`` and ``mu`` are zeros without tangents."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
-              sp_row, sp_col, sp_bits, sp_block)
-    o, to, lse, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=True)
+    o, to, lse, mu = attn_fwd(q, k, v, tq, tk, tv, _args(q, k, v, *opts), store_mu=True)
     if to is None:
         to, mu = torch.zeros_like(o), torch.zeros_like(lse)
     return o, to, lse, mu
 
 
-@attn_fwd_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, *opts):
+def _fwd_jvp_fake(q, k, v, tq, tk, tv, *opts):
     a = _args(q, k, v, *opts)
     return _o_like(q, a), _o_like(q, a), _lse_like(q, a), _lse_like(q, a)
 
 
-@torch.library.custom_op("flashjvp::bwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-                causal: str | None, scale: float, layout: str, kv_lens: Tensor | None, window: list[int],
-                cu_q: Tensor | None, cu_k: Tensor | None, max_q: int, max_k: int,
-                mask: Tensor | None, sp_row: Tensor | None = None, sp_col: Tensor | None = None,
-                sp_bits: Tensor | None = None,
-                sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+attn_fwd_jvp_op = _define("fwd_jvp(Tensor q, Tensor k, Tensor v, Tensor? tq, Tensor? tk, Tensor? tv, OPTIONS) "
+                          "-> (Tensor, Tensor, Tensor, Tensor)", _fwd_jvp, _fwd_jvp_fake)
+
+
+def _bwd(do, q, k, v, o, lse, *opts):
     """``(dq, dk, dv)``, each with its input's shape and strides (``torch.empty_like``)."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
-              sp_row, sp_col, sp_bits, sp_block)
-    return attn_bwd(do, q, k, v, o, lse, a)
+    return attn_bwd(do, q, k, v, o, lse, _args(q, k, v, *opts))
 
 
-@attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, *opts):
+def _bwd_fake(do, q, k, v, o, lse, *opts):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-@torch.library.custom_op("flashjvp::bwd_jvp", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_bwd_jvp_op(q: Tensor, k: Tensor, v: Tensor, tq: Tensor | None, tk: Tensor | None, tv: Tensor | None,
-                    o: Tensor, to: Tensor, lse: Tensor, mu: Tensor, do: Tensor | None, dto: Tensor | None,
-                    dlse: Tensor | None, dmu: Tensor | None, causal: str | None, scale: float,
-                    layout: str, kv_lens: Tensor | None, window: list[int], cu_q: Tensor | None,
-                    cu_k: Tensor | None, max_q: int, max_k: int,
-                    mask: Tensor | None, sp_row: Tensor | None = None, sp_col: Tensor | None = None,
-                sp_bits: Tensor | None = None,
-                    sp_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+attn_bwd_op = _define("bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, OPTIONS) "
+                      "-> (Tensor, Tensor, Tensor)", _bwd, _bwd_fake)
+
+
+def _bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *opts):
     """``(dq, dk, dv, dtq, dtk, dtv)`` of ``fwd_jvp``; a tangent's gradient is an empty tensor
     when the tangent is None (an operator cannot return None)."""
-    a = _args(q, k, v, causal, scale, layout, kv_lens, window, cu_q, cu_k, max_q, max_k, mask,
-              sp_row, sp_col, sp_bits, sp_block)
-    grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a)
+    grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, _args(q, k, v, *opts))
     return tuple(q.new_empty(0) if g is None else g for g in grads)
 
 
-@attn_bwd_jvp_op.register_fake
-def _(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *opts):
+def _bwd_jvp_fake(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *opts):
     a = _args(q, k, v, *opts)
     if a.layout == "bhnd":
         like = lambda x: torch.empty_like(x, memory_format=torch.contiguous_format)  # noqa: E731
@@ -183,8 +190,14 @@ def _(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, *opts):
     return (*(like(x) for x in (q, k, v)), *(q.new_empty(0) if t is None else like(t) for t in (tq, tk, tv)))
 
 
-_N_OPTIONS = 14  # the options' count: none of them is differentiable
-_TENSOR_OPTIONS = (3, 5, 6, 9, 10, 11, 12)  # kv_lens, cu_q, cu_k, mask, sp_row, sp_col, sp_bits: saved as tensors
+attn_bwd_jvp_op = _define(
+    "bwd_jvp(Tensor q, Tensor k, Tensor v, Tensor? tq, Tensor? tk, Tensor? tv, Tensor o, Tensor to, Tensor lse, "
+    "Tensor mu, Tensor? do, Tensor? dto, Tensor? dlse, Tensor? dmu, OPTIONS) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _bwd_jvp, _bwd_jvp_fake)
+
+
+_N_OPTIONS = 9  # the options' count: none of them is differentiable
+_TENSOR_OPTIONS = (2, 3, 4, 5, 6, 7, 8)  # kv_lens, cu_q, cu_k, mask, sp_row, sp_col, sp_bits: saved as tensors
 
 
 def _save_options(ctx, opts) -> tuple:
@@ -212,7 +225,7 @@ def _fwd_backward(ctx, do, _dlse):
     return dq, dk, dv, *(None,) * _N_OPTIONS
 
 
-attn_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+torch.library.register_autograd("flashjvp::fwd", _fwd_backward, setup_context=_fwd_setup_context, lib=_LIB)
 
 
 def _fwd_jvp_setup_context(ctx, inputs, output):
@@ -231,4 +244,5 @@ def _fwd_jvp_backward(ctx, do, dto, dlse, dmu):
     return (*grads[:3], *(None if t is None else g for t, g in zip((tq, tk, tv), grads[3:])), *(None,) * _N_OPTIONS)
 
 
-attn_fwd_jvp_op.register_autograd(_fwd_jvp_backward, setup_context=_fwd_jvp_setup_context)
+torch.library.register_autograd("flashjvp::fwd_jvp", _fwd_jvp_backward, setup_context=_fwd_jvp_setup_context,
+                                lib=_LIB)

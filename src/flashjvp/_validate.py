@@ -50,6 +50,9 @@ class AttnArgs:
     align: str | None = None
     # block mask (a FlexAttention BlockMask as the kernels read it, _sparse.SparsePlan), or None
     sparse: SparsePlan | None = field(default=None, compare=False)
+    # outputs (o, to) dense in q's order of dimensions, as PyTorch's SDPA kernels give them (so that
+    # a model's transpose back to (B, N, H*D) is a view); False: contiguous in ``layout``
+    out_like_q: bool = False
 
     @property
     def diagonal(self) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import sys
 import threading
@@ -34,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from flashjvp._plan import plain_plan
 from flashjvp._validate import KERNEL_DTYPES, MAX_HEAD_DIM, check_inputs
-from flashjvp.interface import attention
+from flashjvp.interface import _attention
 
 __all__ = ["sdpa", "patch_sdpa", "SDPAFallbackWarning"]
 
@@ -270,8 +271,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     route = _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if route is None:
         mask = None if attn_mask is None else _mask_bhnd(attn_mask, query, key)
-        out = attention(_to_bhnd(query), _to_bhnd(key), _to_bhnd(value), causal=is_causal, scale=scale,
-                        attn_mask=mask)
+        q, k, v = _to_bhnd(query), _to_bhnd(key), _to_bhnd(value)
+        a = check_inputs(q, k, v, causal=is_causal, scale=scale, allow_float64=False, attn_mask=mask)
+        out = _attention(q, k, v, dataclasses.replace(a, out_like_q=True))  # out in query's order, as SDPA's
         return out.reshape(*query.shape[:-1], value.shape[-1])
     return _fallback(*route, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
@@ -281,7 +283,8 @@ def _plan_args(query, key, value, is_causal, scale, enable_gqa):
     ``_plan.plain_plan``), else None."""
     if query.dim() != 4 or _route(query, key, value, None, 0.0, is_causal, scale, enable_gqa) is not None:
         return None
-    return check_inputs(query, key, value, causal=is_causal, scale=scale, allow_float64=False)
+    a = check_inputs(query, key, value, causal=is_causal, scale=scale, allow_float64=False)
+    return dataclasses.replace(a, out_like_q=True)
 
 
 # Outside any compiled graph: it warns (reading the caller's frame) and guards against its own
