@@ -8,7 +8,8 @@ during one step (weights, gradients and inputs included). Steps: ``plain``, ``me
 through the primal of ``torch.func.jvp``) and ``scm`` (the loss needs the tangent's gradient:
 second-order backward). Providers: ``torch`` (plain steps: PyTorch's default SDPA; JVP steps: its
 math backend, the only one with forward-mode AD), ``torch-math`` (plain steps, math backend),
-``flashjvp`` (inside ``flashjvp.patch_sdpa()``). Modes ``compile`` / ``reduce-overhead`` compile
+``flashjvp`` (diffusers models through ``flashjvp.integrations.diffusers.apply``, the block inside
+``flashjvp.patch_sdpa()``). Modes ``compile`` / ``reduce-overhead`` compile
 forward + JVP + loss (``backward()`` runs the compiled backward), else the network alone
 (``compiled`` says which). A failure (out of memory, a compile error) is a row with its reason.
 With ``--bf16-weights`` on the GPU the JVP steps of both providers compute layer norms in float32
@@ -230,11 +231,34 @@ def float_layer_norm():
         torch.nn.functional.layer_norm = layer_norm
 
 
-def sdpa_context(provider: str, step: str):
-    """flashjvp: patch_sdpa; torch: the math backend for JVP steps (the others lack forward AD)."""
+def sdpa_context(provider: str, step: str, patch: bool = True):
+    """flashjvp: patch_sdpa (unless ``patch`` is False: the model runs flashjvp through its
+    integration, ``flashjvp_in``); torch: the math backend for JVP steps (the others lack forward AD)."""
     if provider == "flashjvp":
-        return flashjvp.patch_sdpa()
+        return flashjvp.patch_sdpa() if patch else contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH) if provider == "torch-math" or step != "plain" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def flashjvp_in(model: nn.Module | None):
+    """A diffusers model on flashjvp through ``flashjvp.integrations.diffusers.apply`` (what its
+    users would write; undone on exit); yields False. Other models yield True: they need
+    ``patch_sdpa``, whose TorchFunctionMode adds Python to every torch call of the model."""
+    if model is None or not type(model).__module__.startswith("diffusers."):
+        yield True
+        return
+    from flashjvp.integrations import diffusers as fjd
+
+    saved = [(m, m.processor, getattr(m.processor, "_attention_backend", None))
+             for m in model.modules() if getattr(m, "processor", None) is not None]
+    fjd.apply(model)
+    try:
+        yield False
+    finally:
+        for module, processor, backend in saved:
+            module.processor = processor
+            if hasattr(processor, "_attention_backend"):
+                processor._attention_backend = backend
 
 
 def measure(step: Callable, params: list, warmup: int, repeat: int, cuda: bool) -> tuple:
@@ -263,7 +287,13 @@ def measure(step: Callable, params: list, warmup: int, repeat: int, cuda: bool) 
 
 def run_row(case: Case, row: Row, args, cuda: bool) -> Row:
     """Measure ``row`` (compiled modes: the whole step first, the network alone if that fails); on
-    the GPU under bf16 autocast with float32 weights, as mixed-precision training runs."""
+    the GPU under bf16 autocast with float32 weights, as mixed-precision training runs. flashjvp
+    rows run diffusers models through the diffusers integration, others inside ``patch_sdpa``."""
+    with flashjvp_in(case.model) if row.provider == "flashjvp" else contextlib.nullcontext(True) as patch:
+        return _run_row(case, row, args, cuda, patch)
+
+
+def _run_row(case: Case, row: Row, args, cuda: bool, patch: bool) -> Row:
     loss = LOSSES[row.step]
     plain = args.tiny or args.bf16_weights
     cast = contextlib.nullcontext() if plain else torch.autocast(case.target.device.type, dtype=torch.bfloat16)
@@ -274,7 +304,7 @@ def run_row(case: Case, row: Row, args, cuda: bool) -> Row:
         def step():
             if row.mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
-            with sdpa_context(row.provider, row.step), cast, norm:
+            with sdpa_context(row.provider, row.step, patch), cast, norm:
                 fn().backward()
         return step
 

@@ -314,7 +314,13 @@ def test_diffusers_jvp(diffusers_mod, name, native_backend, monkeypatch):
         model, ref, base = model.to(DEVICE), ref.to(DEVICE), base.to(DEVICE)
         fn, fn64, x, n_attn = dit_fn(model, 2), dit_fn(ref, 2), torch.randn(2, 4, 8, 8), 2
         fn32 = dit_fn(base, 2)
-        entry = None  # patch_sdpa runs flashjvp.sdpa's kernels (counted below), not the spied names
+        entry = None  # the processor calls flashjvp.sdpa (its kernels are counted below), not the spied names
+        # and pushes no TorchFunctionMode, which would cost Python in each of its torch calls
+        modes = []
+        for m in model.modules():
+            if isinstance(getattr(m, "processor", None), fjd.FlashJVPAttnProcessor):
+                m.to_q.register_forward_hook(
+                    lambda *_: modes.append(len(torch.overrides._get_current_function_mode_stack())))
     x = x.to(DEVICE)
     t = torch.randn_like(x)
     spy = Spy(monkeypatch)
@@ -322,6 +328,8 @@ def test_diffusers_jvp(diffusers_mod, name, native_backend, monkeypatch):
         warnings.simplefilter("error", SDPAFallbackWarning)
         got = torch.func.jvp(fn, (x,), (t,))
     assert launches.fwd == n_attn, launches.fwd  # one fused forward+JVP launch per attention layer
+    if name == "dit_processor":
+        assert modes == [0] * n_attn, modes
     if entry is not None:
         spy.only(entry, n_attn)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):

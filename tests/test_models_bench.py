@@ -79,6 +79,27 @@ def test_diffusers_dit_every_step(bench, tmp_path):
     assert "depth 1" in rows[0]["dims"] and "N16" in rows[0]["dims"]
 
 
+def test_flashjvp_in_applies_and_restores(bench):
+    """flashjvp rows run a diffusers model through the diffusers integration (no patch_sdpa needed),
+    and the torch rows after them get the model's own processors back."""
+    from test_models import _import_torchvision
+
+    _import_torchvision()
+    pytest.importorskip("diffusers")
+    from flashjvp.integrations.diffusers import FlashJVPAttnProcessor
+
+    builder, _, _, tiny = bench.MODELS["dit-xl2-256"]
+    model = builder(tiny, 2, torch.device("cpu")).model
+    processors = lambda: [type(m.processor) for m in model.modules() if hasattr(m, "processor")]  # noqa: E731
+    before = processors()
+    with bench.flashjvp_in(model) as patch:
+        assert patch is False
+        assert set(processors()) == {FlashJVPAttnProcessor}
+    assert processors() == before and before and FlashJVPAttnProcessor not in before
+    with bench.flashjvp_in(None) as patch:  # the block: patch_sdpa
+        assert patch is True
+
+
 def test_compiled_step(bench, tmp_path):
     """One compiled row: forward + loss in one torch.compile region, flashjvp's kernels inside."""
     _, rows = run(bench, tmp_path, "--models", "dit-xl-block", "--steps", "plain", "--modes", "compile",

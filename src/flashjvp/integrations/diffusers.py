@@ -24,10 +24,13 @@ changes that enum or the registry's ``register`` decorator, :func:`register_back
 
 from __future__ import annotations
 
+import types
 import warnings
+from types import FunctionType
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 try:
     from diffusers.models import attention_dispatch
@@ -170,6 +173,15 @@ def _context_parallel(query, key, value, attn_mask, dropout_p, is_causal, scale,
     return fd._Exchange.apply(fd.ring_attention(q, k, v, group=ring, **kw), ulysses, False)
 
 
+def _functional_with_flashjvp() -> types.ModuleType:
+    """A module with the contents of ``torch.nn.functional``, its ``scaled_dot_product_attention``
+    being :func:`flashjvp.sdpa`: the ``F`` that :class:`FlashJVPAttnProcessor`'s code sees."""
+    functional = types.ModuleType("flashjvp.integrations.diffusers.F")
+    functional.__dict__.update({k: v for k, v in vars(F).items() if not k.startswith("__")})
+    functional.scaled_dot_product_attention = flashjvp.sdpa
+    return functional
+
+
 class FlashJVPAttnProcessor(AttnProcessor2_0):
     """diffusers' ``AttnProcessor2_0`` with its ``F.scaled_dot_product_attention`` call run by
     :func:`flashjvp.sdpa` (fused forward + JVP, Triton backward; masks in the kernels).
@@ -177,13 +189,17 @@ class FlashJVPAttnProcessor(AttnProcessor2_0):
     Same call signature: ``(attn, hidden_states (B, N, C) or (B, C, H, W),
     encoder_hidden_states=None (B, M, C'), attention_mask=None, temb=None)``; returns a tensor
     of hidden_states' shape. Set it with ``model.set_attn_processor(FlashJVPAttnProcessor())``.
+
+    Its ``__call__`` is ``AttnProcessor2_0.__call__``'s own code run with a ``F`` whose SDPA is
+    :func:`flashjvp.sdpa`, not wrapped in :func:`flashjvp.patch_sdpa`: a ``TorchFunctionMode``
+    would add Python to every torch call of the processor (its projections, reshapes, norms).
     """
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
-                 *args, **kwargs):
-        with flashjvp.patch_sdpa():
-            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, temb,
-                                    *args, **kwargs)
+    __call__ = FunctionType(AttnProcessor2_0.__call__.__code__,
+                            {**AttnProcessor2_0.__call__.__globals__, "F": _functional_with_flashjvp()},
+                            "__call__", AttnProcessor2_0.__call__.__defaults__,
+                            AttnProcessor2_0.__call__.__closure__)
+    __call__.__kwdefaults__ = AttnProcessor2_0.__call__.__kwdefaults__
 
 
 def apply(model: torch.nn.Module) -> torch.nn.Module:
