@@ -170,9 +170,12 @@ def _poisoned(x: torch.Tensor) -> torch.Tensor:
     return x.fill_(float("nan")) if _POISON else x
 
 
-def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """An output buffer the kernels overwrite completely (NaN-filled under FLASHJVP_POISON=1)."""
-    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
+def new_buffer(shape, dtype: torch.dtype, device, strides=None) -> torch.Tensor:
+    """An output buffer the kernels overwrite completely (NaN-filled under FLASHJVP_POISON=1),
+    contiguous unless ``strides`` are given."""
+    if strides is None:
+        return _poisoned(torch.empty(shape, dtype=dtype, device=device))
+    return _poisoned(torch.empty_strided(shape, strides, dtype=dtype, device=device))
 
 
 def buffer_like(x: torch.Tensor) -> torch.Tensor:
@@ -210,10 +213,7 @@ def out_buffer(a, like: torch.Tensor) -> torch.Tensor:
     output."""
     shape = ((1, a.varlen.total_q, a.h_q, a.d_v) if a.varlen is not None
              else out_shape(a.batch, a.h_q, a.n_q, a.d_v, a.layout))
-    strides = out_strides(a, like)
-    if strides is None:
-        return new_buffer(shape, like.dtype, like.device)
-    return _poisoned(torch.empty_strided(shape, strides, dtype=like.dtype, device=like.device))
+    return new_buffer(shape, like.dtype, like.device, out_strides(a, like))
 
 
 def stat_buffer(a, device) -> torch.Tensor:
