@@ -147,10 +147,9 @@ class Launches(LaunchLog):
 def forget_plans(monkeypatch) -> None:
     """Empty every launch-plan cache for the test (plans made before would bypass what a test
     patches: the Autotuner, a forced tile, the cuDNN policy)."""
-    from flashjvp import _bwd, _fwd, _plan
+    from flashjvp._launch import PLANS
 
-    for module in (_fwd, _bwd, _plan):
-        monkeypatch.setattr(module, "_PLANS", type(module._PLANS)())
+    PLANS.clear()
 
 
 def spy_autotuner(monkeypatch, arg: str) -> list:

@@ -7,12 +7,14 @@ very bytes cuDNN's forward writes; the ``FLASHJVP_CUDNN`` switch through the pub
 ``flashjvp.attention`` (which path ran is read from ``LaunchLog``); unsupported calls never
 reaching cuDNN; a cuDNN failure falling back to Triton once and for all.
 
-On the CPU: the switch's parsing, the predicate's refusals, the ``auto`` policy and the refusal
-memory (with the predicate stubbed), and the layout plumbing of both calls on meta tensors
-(PyTorch's meta functions of the cuDNN operators give their output shapes and strides).
+On the GPU too: the model of PyTorch's own backend choice (``_route.torch_choice``) against
+``torch._fused_sdp_choice`` over a table of calls and switches.
+
+On the CPU: the switch's parsing, the refusal memory (with the rule's support stubbed), and the
+layout plumbing of both calls on meta tensors (PyTorch's meta functions of the cuDNN operators give
+their output shapes and strides). The routing rule itself is tested in test_route.py.
 """
 
-import dataclasses
 import inspect
 import warnings
 
@@ -21,18 +23,13 @@ import torch
 from torch.nn.attention import SDPBackend
 
 import flashjvp
-from flashjvp import _cudnn
+from flashjvp import _backends, _cudnn, _route
 from flashjvp._cudnn import (
     contiguous_strides,
     cudnn_bwd,
     cudnn_fwd,
-    cudnn_supported,
-    dispatch_bwd,
-    dispatch_fwd,
-    listed_faster,
     matching_layout_strides,
     stats_rank,
-    use_cudnn,
     with_strides,
 )
 from flashjvp._launch import LaunchLog
@@ -49,7 +46,18 @@ KINDS = ("contiguous", "swapped")
 def _cudnn_ready() -> bool:
     if not ON_GPU:
         return False
-    return _cudnn._backend_ok() and _cudnn._arch_ok(torch.cuda.current_device())
+    dev = _route.device_of(torch.device("cuda"))
+    return dev.capability[0] in _route.CUDNN_ARCHS and dev.cudnn_version >= 90000 and dev.cudnn_ops
+
+
+def supported(q, k, v, a, *, backward: bool = False) -> bool:
+    """Whether the rule's cuDNN support takes this live call (``_route.cudnn_supports``)."""
+    return _route.cudnn_supports(*_route.describe(q, k, v, a, tangents=False, grad=True), backward=backward)
+
+
+def routed(q, k, v, a) -> _route.Route:
+    """The route of a call whose backward flashjvp runs (the autograd.Function and operator paths)."""
+    return _backends.route_of(q, k, v, a, grad=True, in_function=True)
 
 
 def needs_cudnn(fn):
@@ -94,6 +102,8 @@ CASES = [
     pytest.param((2, 4, 4, 257, 512, 72, False), id="ca257x512-d72"),
     pytest.param((1, 2, 2, 999, 999, 96, True), id="n999-d96-causal"),
     pytest.param((2, 3, 3, 37, 37, 40, False), id="n37-d40"),
+    pytest.param((1, 2, 2, 300, 300, 256, True), id="n300-d256-causal"),
+    pytest.param((1, 4, 4, 1000, 1000, 192, False), id="n1000-d192"),
 ]
 
 
@@ -105,7 +115,7 @@ def test_cudnn_forward_backward(case, layout, dtype):
     b, hq, hkv, nq, nk, d, causal = case
     q, k, v = make_qkv(b, hq, hkv, nq, nk, d, d, layout, dtype, kinds=KINDS, tangents=False)
     a = check_inputs(q, k, v, causal=causal, layout=layout)
-    assert cudnn_supported(q, k, v, a) and cudnn_supported(q, k, v, a, backward=True)
+    assert supported(q, k, v, a) and supported(q, k, v, a, backward=True)
     o, lse = cudnn_fwd(q, k, v, a)
     assert o.stride() == contiguous_strides(o.shape)  # attn_fwd's contract (the fake tensors')
     assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32 and lse.is_contiguous()
@@ -125,7 +135,7 @@ def test_cudnn_packed_qkv(dtype):
     qkv = torch.randn(2, 777, 3, 4, 64, device="cuda").to(dtype)
     q, k, v = qkv.unbind(2)
     a = check_inputs(q, k, v, causal=True, layout="bnhd")
-    assert cudnn_supported(q, k, v, a, backward=True)
+    assert supported(q, k, v, a, backward=True)
     o, lse = cudnn_fwd(q, k, v, a)
     assert o.stride() == contiguous_strides(o.shape)
     truth, lowp = fwd_refs(q, k, v, causal=True, layout="bnhd")
@@ -222,14 +232,13 @@ def test_switch_through_attention(monkeypatch, case, mode, layout, dtype):
     monkeypatch.setenv("FLASHJVP_CUDNN", mode)
     b, hq, hkv, nq, nk, d, causal = case
     q, k, v = make_qkv(b, hq, hkv, nq, nk, d, d, layout, dtype, kinds=KINDS, tangents=False)
-    a = check_inputs(q, k, v, causal=causal, layout=layout)
     forced = {"0": False, "never": False, "1": True, "always": True}
     qb, kb, vb = (x if layout == "bhnd" else x.transpose(1, 2) for x in (q, k, v))
-    # auto: the backend PyTorch's SDPA picks; its flash operator directly, cuDNN where listed faster
-    want_flash = mode == "auto" and torch._fused_sdp_choice(qb, kb, vb, None, 0.0, causal) == SDPBackend.FLASH_ATTENTION
-    auto = torch.backends.cuda.cudnn_sdp_enabled() and not want_flash
-    want_fwd = forced.get(mode, auto and listed_faster(dtype, a, backward=False))
-    want_bwd = forced.get(mode, auto and listed_faster(dtype, a, backward=True))
+    # auto: the backend PyTorch's SDPA picks (its flash operator directly, or cuDNN)
+    picked = torch._fused_sdp_choice(qb, kb, vb, None, 0.0, causal)
+    want_flash = mode == "auto" and picked == SDPBackend.FLASH_ATTENTION
+    want_fwd = forced.get(mode, mode == "auto" and picked == SDPBackend.CUDNN_ATTENTION)
+    want_bwd = want_fwd
     truth, lowp = fwd_refs(q, k, v, causal=causal, layout=layout)
     with LaunchLog() as log, torch.no_grad():
         o = flashjvp.attention(q, k, v, causal=causal, layout=layout)
@@ -331,7 +340,7 @@ def _unsupported_cases():
     out.append(("bottom_right Nq != Nk", *(x := qkv(1, 2, 2, 300, 512, 64, 64, "bhnd", bf, kinds=KINDS)),
                 check_inputs(*x, causal="bottom_right"), dict(causal="bottom_right")))
     out.append(("D=36", *(x := qkv(1, 2, 2, 512, 512, 36, 36, "bhnd", bf, kinds=KINDS)), check_inputs(*x), {}))
-    out.append(("D=256", *(x := qkv(1, 2, 2, 512, 512, 256, 256, "bhnd", bf, kinds=KINDS)), check_inputs(*x), {}))
+    out.append(("D=264", *(x := qkv(1, 2, 2, 512, 512, 264, 264, "bhnd", bf, kinds=KINDS)), check_inputs(*x), None))
     out.append(("Dqk != Dv", *(x := qkv(1, 2, 2, 512, 512, 64, 128, "bhnd", bf, kinds=KINDS)), check_inputs(*x), {}))
     out.append(("fp32", *(x := qkv(1, 2, 2, 512, 512, 64, 64, "bhnd", torch.float32, kinds=KINDS)),
                 check_inputs(*x), {}))
@@ -347,9 +356,10 @@ def _unsupported_cases():
 def test_unsupported_never_reach_cudnn(monkeypatch):
     monkeypatch.setenv("FLASHJVP_CUDNN", "1")
     for name, q, k, v, a, kw in _unsupported_cases():
-        assert not cudnn_supported(q, k, v, a), name
-        assert not cudnn_supported(q, k, v, a, backward=True), name
-        assert not use_cudnn(q, k, v, a, backward=False) and not use_cudnn(q, k, v, a, backward=True), name
+        assert not supported(q, k, v, a), name
+        assert not supported(q, k, v, a, backward=True), name
+        route = routed(q, k, v, a)
+        assert route.fwd != "cudnn" and route.bwd != "cudnn", name
         if kw is None:  # not a call flashjvp.attention takes
             continue
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -371,10 +381,11 @@ def test_deterministic_mode_keeps_backward_on_triton():
     was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         torch.use_deterministic_algorithms(True)
-        assert cudnn_supported(q, k, v, a) and not cudnn_supported(q, k, v, a, backward=True)
+        assert supported(q, k, v, a) and not supported(q, k, v, a, backward=True)
+        assert routed(q, k, v, a).bwd == "triton"
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
-    assert cudnn_supported(q, k, v, a, backward=True)
+    assert supported(q, k, v, a, backward=True)
 
 
 
@@ -409,6 +420,53 @@ def test_cudnn_failure_falls_back_once(monkeypatch):
     check_grads(grads, q, k, v, do, torch.bfloat16, causal=True)
 
 
+# --------------------------------------------------------------------------- GPU: PyTorch's own choice
+
+_SDPB = {SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.FLASH_ATTENTION: "flash",
+         SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}
+# (B, H, Nq, Nk, D, dtype, causal, grad)
+BF = torch.bfloat16
+CHOICE_CASES = [(32, 16, 256, 256, 72, BF, False, True), (8, 16, 1024, 1024, 72, BF, False, False),
+                (2, 8, 4096, 4096, 128, torch.float16, True, True), (2, 4, 300, 512, 64, BF, True, True),
+                (2, 4, 512, 300, 64, BF, True, False), (1, 4, 999, 999, 256, BF, True, True),
+                (1, 4, 999, 999, 192, BF, False, True), (2, 4, 64, 1, 64, BF, False, False),
+                (2, 4, 77, 77, 36, BF, False, True), (2, 4, 77, 77, 40, torch.float16, True, True),
+                (2, 4, 77, 77, 64, torch.float32, False, True), (2, 4, 77, 77, 96, torch.float32, True, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("switch", ["default", "no-cudnn", "no-flash", "math-only", "flash-first", "deterministic"])
+def test_torch_choice_model_matches_pytorch(switch):
+    """_route.torch_choice, the pure model of SDPA's backend choice that routing uses, against
+    torch._fused_sdp_choice on the same calls of this GPU and PyTorch, under SDPA's switches."""
+    from torch.nn.attention import sdpa_kernel
+
+    every = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    ctx = {"default": lambda: sdpa_kernel(every),
+           "no-cudnn": lambda: sdpa_kernel(every[1:]),
+           "no-flash": lambda: sdpa_kernel([every[0], *every[2:]]),
+           "math-only": lambda: sdpa_kernel([SDPBackend.MATH]),
+           "flash-first": lambda: sdpa_kernel([every[1], every[0], every[2], every[3]], set_priority=True),
+           "deterministic": lambda: sdpa_kernel(every)}[switch]
+    x = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    torch._fused_sdp_choice(x, x, x)  # PyTorch sets its priority order on the first call
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        if switch == "deterministic":
+            torch.use_deterministic_algorithms(True)
+        with ctx():
+            for b, h, nq, nk, d, dtype, causal, grad in CHOICE_CASES:
+                q = torch.randn(b, h, nq, d, device="cuda", dtype=dtype, requires_grad=grad)
+                k, v = (torch.randn(b, h, nk, d, device="cuda", dtype=dtype, requires_grad=grad) for _ in range(2))
+                a = check_inputs(q, k, v, causal=causal)
+                call, dev, sw = _route.describe(q, k, v, a, tangents=False, grad=grad)
+                theirs = _SDPB[SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, causal))]
+                assert _route.torch_choice(call, dev, sw) == theirs, (switch, call, dev, sw)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 # --------------------------------------------------------------------------- CPU: switch and policy
 
 
@@ -433,119 +491,43 @@ def _cpu_args(n=1024, d=64, dtype=torch.bfloat16, **kw):
 def test_cpu_tensors_never_use_cudnn(monkeypatch, mode):
     monkeypatch.setenv("FLASHJVP_CUDNN", mode)
     q, k, v, a = _cpu_args()
-    assert not cudnn_supported(q, k, v, a) and not cudnn_supported(q, k, v, a, backward=True)
-    assert not use_cudnn(q, k, v, a, backward=False) and not use_cudnn(q, k, v, a, backward=True)
-    assert dispatch_fwd(q, k, v, a) is None
-    assert dispatch_bwd(q, q, k, v, q, torch.zeros(1, 2, 1024), a) is None
-
-
-def test_use_cudnn_modes(monkeypatch):
-    """With the predicate stubbed to True: 0 never, 1 always, auto only where CUDNN_FASTER lists
-    the case (and PyTorch's cuDNN SDPA is enabled)."""
-    monkeypatch.setattr(_cudnn, "cudnn_supported", lambda *args, **kwargs: True)
-    monkeypatch.setattr(_cudnn, "_REFUSED", {})
-    listed = _cpu_args(4096, 64)
-    unlisted = _cpu_args(256, 36)
-    for backward in (False, True):
-        monkeypatch.setenv("FLASHJVP_CUDNN", "0")
-        assert not use_cudnn(*listed, backward=backward)
-        monkeypatch.setenv("FLASHJVP_CUDNN", "1")
-        assert use_cudnn(*listed, backward=backward) and use_cudnn(*unlisted, backward=backward)
-        monkeypatch.setenv("FLASHJVP_CUDNN", "auto")
-        assert use_cudnn(*listed, backward=backward) == listed_faster(torch.bfloat16, listed[3], backward=backward)
-        assert not use_cudnn(*unlisted, backward=backward)
-    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
-    for backward in (False, True):
-        assert not use_cudnn(*listed, backward=backward)  # auto respects PyTorch's cuDNN SDPA switch
-        monkeypatch.setenv("FLASHJVP_CUDNN", "1")
-        assert use_cudnn(*listed, backward=backward)  # forcing does not
-        monkeypatch.setenv("FLASHJVP_CUDNN", "auto")
-
-
-def test_auto_policy_table():
-    q, k, v, a = _cpu_args(4096, 64)
-    for backward in (False, True):
-        assert listed_faster(torch.bfloat16, a, backward=backward)
-        assert listed_faster(torch.float16, a, backward=backward)
-        assert not listed_faster(torch.float32, a, backward=backward)
-        assert listed_faster(torch.bfloat16, _cpu_args(8192, 128, causal=True)[3], backward=backward)
-        assert listed_faster(torch.bfloat16, _cpu_args(256, 72)[3], backward=backward)  # DiT sizes
-        assert listed_faster(torch.bfloat16, _cpu_args(37, 40)[3], backward=backward)
-        assert not listed_faster(torch.bfloat16, _cpu_args(256, 36)[3], backward=backward)
+    assert not supported(q, k, v, a) and not supported(q, k, v, a, backward=True)
+    route = routed(q, k, v, a)
+    assert "cudnn" not in (route.fwd, route.bwd)
 
 
 def test_refusal_is_remembered(monkeypatch):
-    """A failing cuDNN call: None (the caller runs Triton), one warning, the shape class refused
-    from then on; an out-of-memory error is not a refusal."""
+    """A failing cuDNN call: the Triton result, one warning, the shape class routed to Triton from
+    then on; an out-of-memory error is not a refusal. (The rule's support is stubbed: CPU tensors.)"""
     monkeypatch.setenv("FLASHJVP_CUDNN", "1")
-    monkeypatch.setattr(_cudnn, "cudnn_supported", lambda *args, **kwargs: True)
     monkeypatch.setattr(_cudnn, "_REFUSED", {})
-    q, k, v, a = _cpu_args()
+    monkeypatch.setattr(_route, "device_of", lambda device: _route.Device())  # described as an H100
+    monkeypatch.setattr(_route, "cudnn_supports", lambda call, dev, sw, *, backward: (
+        ("bwd" if backward else "fwd") not in sw.refused))
+    q, k, v, a = _cpu_args(64, 16, dtype=torch.float32)
+    assert routed(q, k, v, a).fwd == "cudnn"
 
     def oom(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("simulated")
 
     monkeypatch.setattr(_cudnn, "_ops", lambda: (oom, oom))
-    assert dispatch_fwd(q, k, v, a) is None and not _cudnn._REFUSED
+    o, _, lse, _ = _backends.run_fwd(q, k, v, a, "cudnn")
+    assert not _cudnn._REFUSED and routed(q, k, v, a).fwd == "cudnn"
 
     def fail(*args, **kwargs):
         raise RuntimeError("no engine (simulated)")
 
     monkeypatch.setattr(_cudnn, "_ops", lambda: (fail, fail))
     with pytest.warns(RuntimeWarning, match="forward failed"):
-        assert dispatch_fwd(q, k, v, a) is None
+        o, _, lse, _ = _backends.run_fwd(q, k, v, a, "cudnn")  # Triton (the interpreter) instead
+    truth, lowp = fwd_refs(q, k, v)
+    assert_close("o", o, truth[0], lowp[0], torch.float32)
     assert list(_cudnn._REFUSED) == [_cudnn.refusal_key(q, a, False)]
-    assert not use_cudnn(q, k, v, a, backward=False) and use_cudnn(q, k, v, a, backward=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert dispatch_fwd(q, k, v, a) is None  # not tried: no second warning
+    route = routed(q, k, v, a)
+    assert route.fwd == "triton" and route.bwd == "cudnn"
     # another length bucket of the same heads and dims is tried
-    q2, k2, v2, a2 = _cpu_args(4096)
-    assert use_cudnn(q2, k2, v2, a2, backward=False)
-
-
-def test_predicate_rules(monkeypatch):
-    """cudnn_supported's argument rules on the CPU: q is a tensor subclass that reports a CUDA
-    device, the device, backend and stride checks are stubbed to pass."""
-    monkeypatch.setattr(_cudnn, "_backend_ok", lambda: True)
-    monkeypatch.setattr(_cudnn, "_arch_ok", lambda index: True)
-    monkeypatch.setattr(_cudnn, "strides_ok", lambda x: True)
-
-    class Cuda(torch.Tensor):
-        @property
-        def is_cuda(self):
-            return True
-
-        @property
-        def device(self):
-            return torch.device("cuda", 0)
-
-    def case(n_q=512, n_k=512, d=64, dv=None, dtype=torch.bfloat16, hkv=2, **kw):
-        q = torch.randn(1, 2, n_q, d, dtype=dtype)
-        k = torch.randn(1, hkv, n_k, d, dtype=dtype)
-        v = torch.randn(1, hkv, n_k, dv or d, dtype=dtype)
-        return q.as_subclass(Cuda), k, v, check_inputs(q, k, v, **kw)
-
-    assert cudnn_supported(*case())
-    assert cudnn_supported(*case(hkv=1, causal=True))  # GQA, causal
-    assert cudnn_supported(*case(n_q=300, causal="top_left"))
-    assert cudnn_supported(*case(causal="bottom_right"))  # Nq == Nk: same as top-left
-    assert not cudnn_supported(*case(n_q=300, causal="bottom_right"))
-    assert not cudnn_supported(*case(kv_lens=torch.tensor([100])))
-    assert not cudnn_supported(*case(window=(16, 16)))
-    assert cudnn_supported(*case(d=40)) and cudnn_supported(*case(d=72)) and cudnn_supported(*case(d=96))
-    assert not cudnn_supported(*case(d=36)) and not cudnn_supported(*case(d=100))
-    assert cudnn_supported(*case(d=32)) and cudnn_supported(*case(d=128))
-    assert not cudnn_supported(*case(d=256))
-    assert not cudnn_supported(*case(d=64, dv=128))
-    assert not cudnn_supported(*case(dtype=torch.float32))
-    assert not cudnn_supported(*case(n_k=1))
-    q, k, v, a = case()
-    assert not cudnn_supported(q, k, v, dataclasses.replace(a, mask=torch.zeros(1, 2, 512, 512)))
-    assert not cudnn_supported(q, k, v, dataclasses.replace(a, batch=65536))  # cuDNN's grid limits
-    assert not cudnn_supported(q, k, v, dataclasses.replace(a, h_q=65536))
-    monkeypatch.setenv("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "1")
-    assert not cudnn_supported(*case())
+    q2, k2, v2, a2 = _cpu_args(4096, 16, dtype=torch.float32)
+    assert routed(q2, k2, v2, a2).fwd == "cudnn"
 
 
 def test_strides_rule():

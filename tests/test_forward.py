@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashjvp
-from flashjvp._launch import LaunchLog
+from flashjvp._launch import PLANS, LaunchLog
 from helpers import (
     DTYPE_IDS,
     DTYPES,
@@ -371,7 +371,7 @@ def test_launch_log_records_the_launched_tile(monkeypatch):
     returned = []
     real = _fwd.plan_tuned
     monkeypatch.setattr(_fwd, "plan_tuned", lambda *a, **kw: returned.append(real(*a, **kw)) or returned[-1])
-    monkeypatch.setattr(_fwd, "_PLANS", type(_fwd._PLANS)())
+    PLANS.clear()
     q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 9, 9, 16, 16, "bhnd", torch.float32, ("contiguous",))
     with LaunchLog() as log:
         flashjvp.attention_jvp(q, k, v, tq, tk, tv)

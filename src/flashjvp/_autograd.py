@@ -16,28 +16,30 @@ import inspect
 
 import torch
 
-from flashjvp._bwd import attn_bwd
+from flashjvp._backends import run_bwd, run_fwd
 from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
 from flashjvp._launch import out_buffer, stat_buffer
+from flashjvp._route import Route
 from flashjvp._validate import AttnArgs
 
 
 class AttentionFunction(torch.autograd.Function):
-    """``(o, lse) = attention(q, k, v)``; ``lse`` is non-differentiable and used by backward."""
+    """``(o, lse) = attention(q, k, v)``; ``lse`` is non-differentiable and used by backward. Each
+    direction runs on the backend ``route`` names (``_route.choose``)."""
 
     @staticmethod
-    def forward(q, k, v, a: AttnArgs, defer: bool):
+    def forward(q, k, v, a: AttnArgs, defer: bool, route: Route):
         if defer:  # jvp() follows and fills both
             return out_buffer(a, q), stat_buffer(a, q.device)
-        o, _, lse, _ = attn_fwd(q, k, v, None, None, None, a)
+        o, _, lse, _ = run_fwd(q, k, v, a, route.fwd)
         return o, lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, a, defer = inputs
+        q, k, v, a, defer, route = inputs
         o, lse = output
-        ctx.a, ctx.defer = a, defer
+        ctx.a, ctx.defer, ctx.route = a, defer, route
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_forward(q, k, v, o, lse)
@@ -50,25 +52,26 @@ class AttentionFunction(torch.autograd.Function):
         # Launched through AttentionJVPFunction: it receives plain tensors under torch.func
         # (functorch unwraps custom Functions' inputs), and its backward differentiates ``to``.
         out = (o, lse) if ctx.defer else (None, None)
-        _, to, _, _ = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, ctx.a, True, *out)
+        _, to, _, _ = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, ctx.a, True, ctx.route, *out)
         return (torch.zeros_like(o) if to is None else to), None
 
     @staticmethod
     def backward(ctx, do, _dlse):
         if do is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attn_bwd(do, q, k, v, o, lse, ctx.a)
-        return dq, dk, dv, None, None
+        dq, dk, dv = run_bwd(do, q, k, v, o, lse, ctx.a, ctx.route.bwd)
+        return dq, dk, dv, None, None, None
 
 
 class AttentionJVPFunction(torch.autograd.Function):
     """``(o, to, lse, mu) = attention_jvp(q, k, v, tq, tk, tv)`` in one launch; every output is
     differentiable with respect to q, k, v and the tangents (``_bwd_jvp.py``; ``mu`` is needed
-    for that, so pass ``store_mu=True`` when a backward may follow)."""
+    for that, so pass ``store_mu=True`` when a backward may follow). A backward through ``o``
+    alone runs on the backend ``route.bwd`` names."""
 
     @staticmethod
-    def forward(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool, o=None, lse=None):
+    def forward(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool, route: Route, o=None, lse=None):
         o_, to, lse_, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=store_mu, o=o, lse=lse)
         if o is not None:  # autograd wants views, not inputs returned as-is
             o_, lse_ = o_.view_as(o_), lse_.view_as(lse_)
@@ -76,7 +79,7 @@ class AttentionJVPFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.a = inputs[6]
+        ctx.a, ctx.route = inputs[6], inputs[8]
         ctx.set_materialize_grads(False)
         if any(ctx.needs_input_grad[:6]):
             ctx.save_for_backward(*inputs[:6], *output)
@@ -93,10 +96,10 @@ class AttentionJVPFunction(torch.autograd.Function):
         q, k, v, tq, tk, tv, o, to, lse, mu = ctx.saved_tensors
         if dto is None and dlse is None and dmu is None:  # first order: the plain backward
             if do is None:
-                return (None,) * 10
-            return (*attn_bwd(do, q, k, v, o, lse, ctx.a), *(None,) * 7)
+                return (None,) * 11
+            return (*run_bwd(do, q, k, v, o, lse, ctx.a, ctx.route.bwd), *(None,) * 8)
         grads = attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, ctx.a)
-        return (*grads, *(None,) * 4)
+        return (*grads, *(None,) * 5)
 
 
 # torch.autograd.Function.apply binds its arguments with inspect.signature(forward) on every call

@@ -13,7 +13,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashjvp._cudnn import dispatch_bwd
 from flashjvp._jit import (
     LOG2E,
     LOG2E_K,
@@ -31,7 +30,7 @@ from flashjvp._jit import (
     visible,
 )
 from flashjvp._launch import (
-    PlanCache,
+    PLANS,
     aligned16,
     allow_tf32,
     aux_tensors,
@@ -349,23 +348,18 @@ def _attn_bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=rvalid[:, None] & mask_dqk[None, :])
 
 
-# Launch plans of the two backward kernels (_launch.Launcher), by call signature.
-_PLANS = PlanCache()
-
-
 def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` given ``do``, from the saved
-    ``lse`` (B, Hq, Nq) float32. Gradients have their input's shape and layout."""
-    if (grads := dispatch_bwd(do, q, k, v, o, lse, a)) is not None:
-        return grads  # PyTorch's cuDNN attention backward (_cudnn.py)
+    ``lse`` (B, Hq, Nq) float32, on flashjvp's Triton kernels (``_backends.run_bwd`` picks the
+    backend). Gradients have their input's shape and layout."""
     dq, dk, dv = buffer_like(q), buffer_like(k), buffer_like(v)
     delta = buffer_like(lse)
     key = None
     if a.kv_lens is None and a.mask is None and a.varlen is None and a.sparse is None and q.is_cuda \
             and aligned16(do, q, k, v, o, lse):
-        key = (a, q.dtype, q.device.index, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
+        key = ("bwd", a, q.dtype, q.device.index, q.stride(), k.stride(), v.stride(), o.stride(), do.stride(),
                lse.stride(), allow_tf32())
-        plans = _PLANS.get(key)
+        plans = PLANS.get(key)
         if plans is not None:  # the same launches as before: no argument to recompute
             seqs = aux_tensors(a, lse)
             with launch_device(q):
@@ -390,5 +384,5 @@ def attn_bwd(do, q, k, v, o, lse, a: AttnArgs):
         _, plan_kv = plan_tuned(_attn_bwd_dkdv_kernel, grid_kv, 15, q, k, v, do, lse, delta, dk, dv, *seqs,
                                 *sq, *sk, *sv, *sdo, *sdk, *sdv, *sizes, **common)
     if key is not None and plan_q is not None and plan_kv is not None:
-        _PLANS.put(key, (plan_q, plan_kv))
+        PLANS.put(key, (plan_q, plan_kv))
     return dq, dk, dv

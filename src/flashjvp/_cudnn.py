@@ -1,16 +1,10 @@
 """The plain forward (no tangents) and the plain backward through PyTorch's cuDNN attention.
 
-Where cuDNN supports a case and measured faster, ``attn_fwd`` without tangents and
-``attn_bwd`` hand it to ``aten._scaled_dot_product_cudnn_attention`` and its backward, called
-directly (not through ``F.scaled_dot_product_attention``, so no backend choice and no autograd
-node is involved). Everything else, and every call with tangents, stays on flashjvp's Triton
-kernels. The launchers ask :func:`dispatch_fwd` / :func:`dispatch_bwd`, which return the
-launcher's own result or ``None`` (run Triton).
-
-``FLASHJVP_CUDNN`` (``_policy.cudnn_mode``, read at each call): ``auto`` (default) uses cuDNN
-where :func:`cudnn_supported` holds and a row of :data:`CUDNN_FASTER` lists the case as faster
-(eager plain calls that SDPA expresses follow PyTorch's own backend choice first, ``_plan.py``);
-``1`` / ``always`` wherever it is supported; ``0`` / ``never`` not at all.
+``_backends.run_fwd`` / ``run_bwd`` call :func:`cudnn_fwd` and :func:`cudnn_bwd` where the call's
+route (``_route.choose``: which calls cuDNN supports, and when it is chosen) names cuDNN; they
+hand ``aten._scaled_dot_product_cudnn_attention`` and its backward the tensors directly (not
+through ``F.scaled_dot_product_attention``, so no backend choice and no autograd node is
+involved). :func:`strides_ok` is the one tensor property that routing reads from here.
 
 The log-sum-exp, and why flashjvp's saved ``(o, lse)`` can feed cuDNN's backward exactly
 ---------------------------------------------------------------------------------------
@@ -46,24 +40,22 @@ always arrive with one set of strides. Gradients are returned with ``torch.empty
 strides, as ``attn_bwd``'s are.
 
 When cuDNN raises at run time (a shape its heuristics refuse), the call falls back to Triton and
-the refusal is remembered per shape class (:func:`refusal_key`), with one warning.
+the refusal is remembered per shape class (:func:`refusal_key`), with one warning; routing reads
+it (``_backends.route_of``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from flashjvp._launch import LaunchLog, matching_layout_strides, out_strides, record_launch
-from flashjvp._policy import cudnn_mode, env, length_bucket
+from flashjvp._policy import length_bucket
 from flashjvp._validate import AttnArgs, bhnd_view
 
-__all__ = ["cudnn_fwd", "cudnn_bwd", "cudnn_supported", "use_cudnn", "dispatch_fwd", "dispatch_bwd",
-           "CUDNN_FASTER", "Faster"]
+__all__ = ["cudnn_fwd", "cudnn_bwd", "cudnn_ops", "strides_ok", "refuse"]
 
 # --------------------------------------------------------------------------- the operators
 
@@ -239,37 +231,7 @@ def cudnn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 # --------------------------------------------------------------------------- support
 
-
-# Compute capabilities (major) where flashjvp sends work to cuDNN: Hopper, where it was tested
-# and measured. PyTorch itself accepts sm80 to sm121; widen after testing there.
-CUDNN_ARCHS = (9,)
-CUDNN_DTYPES = (torch.float16, torch.bfloat16)
-# Head dims: Dqk == Dv, a multiple of CUDNN_HEAD_DIM_STEP up to CUDNN_MAX_HEAD_DIM, as PyTorch's
-# own cuDNN SDPA check (which goes to 256 on sm90 with cuDNN >= 9.10; flashjvp sends up to 128).
-CUDNN_HEAD_DIM_STEP = 8
-CUDNN_MAX_HEAD_DIM = 128
-_MAX_BATCH_HEADS = 65535  # cuDNN SDPA's limit on batch size and head count (PyTorch's check)
 _INT32_MAX = 2**31 - 1  # PyTorch's cuDNN graph cache stores sizes and strides as int
-
-
-@functools.cache
-def _backend_ok() -> bool:
-    """The operators exist with the expected schemas and cuDNN >= 9 is loaded."""
-    if cudnn_ops() is None or not torch.backends.cudnn.is_available():
-        return False
-    return (torch.backends.cudnn.version() or 0) >= 90000
-
-
-@functools.cache
-def _arch_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] in CUDNN_ARCHS
-
-
-def _avoid_recompile() -> bool:
-    """``TORCH_CUDNN_SDPA_AVOID_RECOMPILE`` on: PyTorch's cuDNN backward then expects a (B, Nq, H)
-    ordered LSE and ragged offsets derived from its strides, so flashjvp's LSE cannot go there."""
-    value = env("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", "")
-    return value.strip().lower() not in ("", "0", "false", "off", "no", "n")
 
 
 def strides_ok(x: torch.Tensor) -> bool:
@@ -288,85 +250,7 @@ def strides_ok(x: torch.Tensor) -> bool:
     return extent <= _INT32_MAX
 
 
-# AttnArgs fields this module knows; any other option (an attention mask, whatever is added later)
-# must be at its default for cuDNN to take the call.
-_KNOWN_FIELDS = ("batch", "h_q", "h_kv", "n_q", "n_k", "d_qk", "d_v", "causal", "scale", "layout", "kv_lens",
-                 "window", "varlen")
-_OTHER_OPTIONS = tuple((f.name, f.default) for f in dataclasses.fields(AttnArgs) if f.name not in _KNOWN_FIELDS)
-
-
-def no_other_option(a: AttnArgs) -> bool:
-    for name, default in _OTHER_OPTIONS:
-        value = getattr(a, name)
-        if value is not default and (isinstance(value, torch.Tensor) or value != default):
-            return False
-    return True
-
-
-def cudnn_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *,
-                    backward: bool = False) -> bool:
-    """Whether PyTorch's cuDNN attention handles this call (conservative; host-side only, no GPU
-    synchronisation): CUDA tensors on an sm90 GPU (``CUDNN_ARCHS``), float16 / bfloat16, Dqk == Dv
-    a multiple of 8 up to 128, no key padding, no window, not packed variable-length, no mask (nor
-    any other AttnArgs option this module does not know), causal ``None`` or top-left
-    (bottom-right only when Nq == Nk, where both coincide), Nk >= 2, GQA allowed; unit-stride head
-    dim, 16-byte aligned pointers and strides; cuDNN >= 9 and the operators' expected schemas.
-    ``backward``: also not under ``torch.use_deterministic_algorithms(True)`` (cuDNN's backward is
-    not deterministic)."""
-    if not q.is_cuda or q.dtype not in CUDNN_DTYPES:
-        return False
-    if a.kv_lens is not None or a.window is not None or a.varlen is not None or not no_other_option(a):
-        return False
-    if a.d_qk != a.d_v or a.d_qk % CUDNN_HEAD_DIM_STEP or a.d_qk > CUDNN_MAX_HEAD_DIM:
-        return False
-    if a.causal == "bottom_right" and a.n_q != a.n_k:
-        return False
-    if a.n_k < 2 or a.batch > _MAX_BATCH_HEADS or a.h_q > _MAX_BATCH_HEADS:
-        return False
-    if backward and torch.are_deterministic_algorithms_enabled() \
-            and not torch.is_deterministic_algorithms_warn_only_enabled():
-        return False
-    if _avoid_recompile() or not _backend_ok() or not _arch_ok(q.device.index):
-        return False
-    return strides_ok(q) and strides_ok(k) and strides_ok(v)
-
-
-# --------------------------------------------------------------------------- policy
-
-
-@dataclass(frozen=True)
-class Faster:
-    """One row of the ``auto`` policy: calls matching every field measured faster on cuDNN than on
-    flashjvp's Triton kernels."""
-
-    directions: tuple[str, ...] = ("fwd", "bwd")
-    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-    head_dims: tuple[int, ...] = (64, 128)
-    min_n_q: int = 4096
-    min_n_k: int = 4096
-    causal: tuple[str | None, ...] = (None, "top_left", "bottom_right")
-    gqa: bool = True  # also when Hq != Hkv
-
-    def matches(self, dtype: torch.dtype, a: AttnArgs, backward: bool) -> bool:
-        return (("bwd" if backward else "fwd") in self.directions and dtype in self.dtypes
-                and a.d_qk in self.head_dims and a.n_q >= self.min_n_q and a.n_k >= self.min_n_k
-                and a.causal in self.causal and (self.gqa or a.h_q == a.h_kv))
-
-
-# Where cuDNN takes the plain forward and backward (auto). Measured (bf16, benchmarks/results/*/dispatch_table.md
-# and dispatch.md): at head dim 64 from 256 to 8192 tokens cuDNN's forward is 1.06-1.28x and its
-# backward 1.05-1.55x faster than flashjvp's Triton kernels, except one backward (N1024 causal,
-# 0.92x); at D64/D128 from 4096 tokens both directions are 1.20-1.48x faster. Other head dims (40,
-# 72, 96, ...) follow without a table of their own yet; PyTorch's own SDPA picks cuDNN for them on
-# Hopper. Re-measure with `python benchmarks/dispatch_table.py`.
-CUDNN_FASTER: tuple[Faster, ...] = (Faster(head_dims=tuple(range(8, CUDNN_MAX_HEAD_DIM + 1, 8)), min_n_q=1, min_n_k=2),)
-
-
-def listed_faster(dtype: torch.dtype, a: AttnArgs, *, backward: bool) -> bool:
-    for row in CUDNN_FASTER:  # a loop, not any() over a generator: asked on every plain call
-        if row.matches(dtype, a, backward):
-            return True
-    return False
+# --------------------------------------------------------------------------- refusals
 
 
 # Shape classes where cuDNN raised: {refusal_key: message}; never retried in this process.
@@ -380,25 +264,6 @@ def refusal_key(q: torch.Tensor, a: AttnArgs, backward: bool) -> tuple:
             length_bucket(a.n_q), length_bucket(a.n_k))
 
 
-def use_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *, backward: bool) -> bool:
-    """Whether this plain forward (``backward=False``; callers ask only without tangents) or
-    backward goes to cuDNN: never with ``FLASHJVP_CUDNN=0``; with ``1`` wherever
-    :func:`cudnn_supported`; with ``auto`` also only where :data:`CUDNN_FASTER` lists the case and
-    ``torch.backends.cuda.cudnn_sdp_enabled()``. A shape class where cuDNN raised before is not
-    tried again."""
-    if q.dtype not in CUDNN_DTYPES:  # the cheapest refusal first: short calls are bound by this code
-        return False
-    mode = cudnn_mode()
-    if mode == "never":
-        return False
-    if mode == "auto" and not (listed_faster(q.dtype, a, backward=backward)
-                               and torch.backends.cuda.cudnn_sdp_enabled()):
-        return False
-    if not cudnn_supported(q, k, v, a, backward=backward):
-        return False
-    return not (_REFUSED and refusal_key(q, a, backward) in _REFUSED)
-
-
 def refuse(q: torch.Tensor, a: AttnArgs, backward: bool, error: BaseException) -> None:
     msg = " ".join(str(error).split())[:300]
     _REFUSED[refusal_key(q, a, backward)] = msg
@@ -406,38 +271,4 @@ def refuse(q: torch.Tensor, a: AttnArgs, backward: bool, error: BaseException) -
     warnings.warn(f"flashjvp: PyTorch's cuDNN attention {what} failed for B{a.batch} Hq{a.h_q} Hkv{a.h_kv} "
                   f"Nq{a.n_q} Nk{a.n_k} D{a.d_qk} {q.dtype} causal={a.causal} layout={a.layout} "
                   f"({type(error).__name__}: {msg}); this shape class runs flashjvp's Triton kernels "
-                  "from now on", RuntimeWarning, stacklevel=4)
-
-
-def dispatch_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *, need_lse: bool = True):
-    """``attn_fwd``'s ``(o, None, lse, None)`` from cuDNN when :func:`use_cudnn` says so and the call
-    succeeds (``lse`` None without ``need_lse``); else None (the caller launches Triton). Call only
-    without tangents."""
-    if not use_cudnn(q, k, v, a, backward=False):
-        return None
-    try:
-        o, lse = cudnn_fwd(q, k, v, a, need_lse=need_lse)
-    except torch.cuda.OutOfMemoryError:
-        return None  # not a refusal: Triton needs no workspace, retry cuDNN next time
-    except RuntimeError as e:
-        refuse(q, a, False, e)
-        return None
-    return o, None, lse, None
-
-
-def dispatch_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, a: AttnArgs):
-    """``attn_bwd``'s ``(dq, dk, dv)`` from cuDNN when :func:`use_cudnn` says so and the call
-    succeeds; else None (the caller launches Triton). ``o`` and ``lse`` may come from any
-    flashjvp forward, the fused forward+JVP kernel's included."""
-    if not use_cudnn(q, k, v, a, backward=True):
-        return None
-    if do.dtype != q.dtype or o.dtype != q.dtype or lse.dtype != torch.float32:
-        return None
-    try:
-        return cudnn_bwd(do, q, k, v, o, lse, a)
-    except torch.cuda.OutOfMemoryError:
-        return None
-    except RuntimeError as e:
-        refuse(q, a, True, e)
-        return None
+                  "from now on", RuntimeWarning, stacklevel=5)

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashjvp._cudnn import dispatch_fwd
 from flashjvp._jit import (
     LN2_K,
     LOG2E,
@@ -37,7 +36,7 @@ from flashjvp._jit import (
     visible,
 )
 from flashjvp._launch import (
-    PlanCache,
+    PLANS,
     aligned16,
     all_seq_strides,
     allow_tf32,
@@ -419,8 +418,6 @@ def _scratch_args(scratch, o, lse):
     return op, op if top is None else top, lsep, mup
 
 
-# Launch plans of the forward (_launch.Launcher) by call signature: see _plan_key.
-_PLANS = PlanCache()
 _N_TENSORS = 21  # Q ... SP_BITS: the kernel's leading tensor arguments
 
 
@@ -434,7 +431,7 @@ def _plan_key(q, k, v, tq, tk, tv, a: AttnArgs, store_mu: bool):
             or not aligned16(q, k, v, tq, tk, tv):
         return None
     st = lambda x: None if x is None else x.stride()  # noqa: E731
-    return (a, q.dtype, q.device.index, q.stride(), k.stride(), v.stride(), st(tq), st(tk), st(tv), store_mu,
+    return ("fwd", a, q.dtype, q.device.index, q.stride(), k.stride(), v.stride(), st(tq), st(tk), st(tv), store_mu,
             allow_tf32(), tma_mode(), tail_split_enabled())
 
 
@@ -446,13 +443,11 @@ def _fwd_tensors(inputs, o, to, lse, mu, scratch, aux):
 
 def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
              o: torch.Tensor | None = None, lse: torch.Tensor | None = None, need_lse: bool = True):
-    """Launch the fused kernel. Returns ``(o, to, lse, mu)``; ``to`` and ``mu`` are ``None``
-    without tangents (``mu`` also unless ``store_mu``). ``o``/``lse`` may be given to write into
-    (contiguous buffers as ``out_buffer``/``stat_buffer`` make). Without ``need_lse`` (no backward
-    follows) ``lse`` may come back None."""
-    if tq is None and tk is None and tv is None and o is None and lse is None \
-            and (res := dispatch_fwd(q, k, v, a, need_lse=need_lse)) is not None:
-        return res  # PyTorch's cuDNN attention (_cudnn.py): (o, None, lse, None)
+    """Launch the fused kernel (Triton, whatever the route: ``_backends.run_fwd`` picks the
+    backend). Returns ``(o, to, lse, mu)``; ``to`` and ``mu`` are ``None`` without tangents (``mu``
+    also unless ``store_mu``). ``o``/``lse`` may be given to write into (contiguous buffers as
+    ``out_buffer``/``stat_buffer`` make). ``need_lse`` is accepted for ``run_fwd``'s signature:
+    the kernel always stores the log-sum-exp."""
     jvp = tq is not None or tk is not None or tv is not None
     store_mu = jvp and store_mu
     if o is None:
@@ -462,7 +457,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
     to = out_buffer(a, q) if jvp else None
     mu = stat_buffer(a, q.device) if store_mu else None
     key = _plan_key(q, k, v, tq, tk, tv, a, store_mu)
-    plan = None if key is None else _PLANS.get(key)
+    plan = None if key is None else PLANS.get(key)
     if plan is not None:  # the same launch as before: no argument to recompute
         with launch_device(q):
             plan(*_fwd_tensors((q, k, v, q if tq is None else tq, k if tk is None else tk, v if tv is None else tv),
@@ -511,7 +506,7 @@ def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
             HAS_KV_LENS=a.kv_lens is not None, SP_RUNS=a.sparse is not None and a.sparse.runs,
         )
     if key is not None and plan is not None and not tma and not slots:  # one launch, tensors only: kept
-        _PLANS.put(key, plan)
+        PLANS.put(key, plan)
     if scratch:
         bm = config["BLOCK_M"]
         attn_merge(o, to, lse, mu, scratch, strides[6:], h_q=a.h_q, n_q=a.n_q, d_v=a.d_v,

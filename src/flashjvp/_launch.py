@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -101,6 +103,41 @@ def launch_tuned(kernel, grid, *args, **kwargs) -> dict:
     return _tuned_launch(kernel, grid, args, kwargs)[0]
 
 
+def launcher_interface(compiled) -> bool:
+    """Whether :class:`Launcher` can repeat a launch of ``compiled`` (what the JIT launch returned).
+    Launcher calls Triton's private ``compiled.run`` positionally, as Triton's own JIT launch does (3.6
+    and 3.9 alike): ``run(gridX, gridY, gridZ, stream, function, packed_metadata, launch_metadata, enter_hook,
+    exit_hook, *args)``. Being private, it may change in any release; where it is absent (None from the
+    interpreter, a Triton without ``knobs``) or its launcher takes other parameters, no plan is made and
+    every call launches through the JIT, the public path: more host time per call, never a wrong launch."""
+    if _knobs is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata",
+                                                                  "launch_metadata")):
+        return False
+    return _known_launcher(type(compiled.run))
+
+
+@functools.cache
+def _known_launcher(cls) -> bool:
+    """Whether the launcher class ``cls`` (what ``CompiledKernel.run`` is an instance of: the driver's
+    ``CudaLauncher``, ``HIPLauncher``) is called as Launcher calls it: ``gridX, gridY, gridZ, stream,
+    function`` as its first parameters, then ``*args`` (Triton 3.6 takes the metadata and hooks in it)
+    or four more positional parameters and ``*args`` (Triton 3.9), and no required keyword. Per
+    class, not per launch: the launch paths without a plan would pay for the signature on every call."""
+    try:
+        params = list(inspect.signature(cls.__call__).parameters.values())[1:]  # without self
+    except (AttributeError, TypeError, ValueError):  # no Python signature: not a launcher Launcher knows
+        return False
+    kinds = [p.kind for p in params]
+    if inspect.Parameter.VAR_POSITIONAL not in kinds:
+        return False
+    star = kinds.index(inspect.Parameter.VAR_POSITIONAL)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return (star in (5, 9) and all(k in positional for k in kinds[:star])
+            and [p.name for p in params[:5]] == ["gridX", "gridY", "gridZ", "stream", "function"]
+            and all(p.kind is inspect.Parameter.VAR_KEYWORD or p.default is not inspect.Parameter.empty
+                    for p in params[star + 1:]))
+
+
 class Launcher:
     """A launch plan: one compiled Triton kernel with its grid, its config and every argument
     after the leading tensors fixed. Calling it with new leading tensors (same dtypes, 16-byte
@@ -128,9 +165,9 @@ class Launcher:
 def plan_tuned(kernel, grid, n_tensors: int, *args, **kwargs) -> tuple[dict, Launcher | None]:
     """:func:`launch_tuned`, also returning a :class:`Launcher` that repeats this launch for new
     values of the first ``n_tensors`` arguments (None where no compiled kernel came back: the
-    interpreter, or a Triton without the launcher interface used here)."""
+    interpreter, or a Triton without the launcher interface used here: see :func:`launcher_interface`)."""
     config, flags, compiled, jit = _tuned_launch(kernel, grid, args, kwargs)
-    if _knobs is None or not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+    if not launcher_interface(compiled):
         return config, None
     names = jit.arg_names
     values = {**dict(zip(names, args)), **kwargs, **flags, **config}
@@ -141,15 +178,21 @@ def plan_tuned(kernel, grid, n_tensors: int, *args, **kwargs) -> tuple[dict, Lau
 
 
 class PlanCache(dict):
-    """Launch plans by the caller's key (sizes, strides, dtypes, flags, alignment), bounded: a
+    """Plans by call signature (sizes, strides, dtypes, flags, alignment, switches), bounded: a
     program with very many distinct shapes starts over rather than grow without end."""
 
-    MAX = 1024
+    MAX = 4096
 
     def put(self, key, plan) -> None:
         if len(self) >= self.MAX:
             self.clear()
         self[key] = plan
+
+
+# The one plan cache of the host layer. Its keys start with what they are for: "plain" (an eager
+# plain call's plan, _plan.py), "jvp" (attention_jvp's), "route" (a call's route, _backends.py),
+# "args" (the operators' AttnArgs, _ops.py), "fwd" / "bwd" (Triton launch plans).
+PLANS = PlanCache()
 
 
 def aligned16(*xs) -> bool:

@@ -32,10 +32,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from flashjvp._bwd import attn_bwd
+from flashjvp._backends import route_of, run_bwd, run_fwd
 from flashjvp._bwd_jvp import attn_bwd_jvp
 from flashjvp._fwd import attn_fwd
-from flashjvp._launch import PlanCache, out_buffer, stat_buffer
+from flashjvp._launch import PLANS, out_buffer, stat_buffer
 from flashjvp._sparse import SparsePlan
 from flashjvp._validate import LAYOUTS, AttnArgs, check_inputs, varlen_args
 
@@ -62,26 +62,26 @@ def options(a: AttnArgs) -> tuple:
             *((None,) * 3 if sp is None else (sp.row, sp.col, sp.bits)))
 
 
-# AttnArgs of the operators' plain calls (no tensor option, no window) by sizes, dtypes, devices
-# and options: a compiled graph calls the same operators with the same shapes at every step, and
-# the checks cost a good share of an operator's host time. AttnArgs is immutable: shared safely.
-_PLAIN = PlanCache()
+# AttnArgs of the operators' plain calls (no tensor option, no window) are kept in the plan cache
+# by sizes, dtypes, devices and options: a compiled graph calls the same operators with the same
+# shapes at every step, and the checks cost a good share of an operator's host time. AttnArgs is
+# immutable: shared safely.
 
 
 def _args(q: Tensor, k: Tensor, v: Tensor, flags: list[int], scale: float, kv_lens=None, cu_q=None, cu_k=None,
           mask=None, sp_row=None, sp_col=None, sp_bits=None) -> AttnArgs:
     """The ``AttnArgs`` the operators' arguments stand for (the inverse of ``options``)."""
     if kv_lens is None and cu_q is None and mask is None and sp_row is None and not flags[_F_WINDOW]:
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, tuple(flags),
+        key = ("args", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, tuple(flags),
                scale)
         try:
-            a = _PLAIN.get(key)
+            a = PLANS.get(key)
         except TypeError:  # symbolic sizes (dynamic shapes, while tracing): not cached
             a = key = None
         if a is None:
             a = _checked(q, k, v, flags, scale)
             if key is not None:
-                _PLAIN.put(key, a)
+                PLANS.put(key, a)
         return a
     return _checked(q, k, v, flags, scale, kv_lens, cu_q, cu_k, mask, sp_row, sp_col, sp_bits)
 
@@ -131,8 +131,10 @@ def _define(schema: str, impl, fake):
 
 
 def _fwd(q, k, v, *opts):
-    """``(o, lse)``: o with ``_launch.out_strides``, lse (B, Hq, Nq) float32."""
-    o, _, lse, _ = attn_fwd(q, k, v, None, None, None, _args(q, k, v, *opts))
+    """``(o, lse)``: o with ``_launch.out_strides``, lse (B, Hq, Nq) float32; on the backend of the
+    call's route (flashjvp's autograd runs its backward: ``in_function``)."""
+    a = _args(q, k, v, *opts)
+    o, _, lse, _ = run_fwd(q, k, v, a, route_of(q, k, v, a, grad=True, in_function=True).fwd)
     return o, lse
 
 
@@ -162,8 +164,10 @@ attn_fwd_jvp_op = _define("fwd_jvp(Tensor q, Tensor k, Tensor v, Tensor? tq, Ten
 
 
 def _bwd(do, q, k, v, o, lse, *opts):
-    """``(dq, dk, dv)``, each with its input's shape and strides (``torch.empty_like``)."""
-    return attn_bwd(do, q, k, v, o, lse, _args(q, k, v, *opts))
+    """``(dq, dk, dv)``, each with its input's shape and strides (``torch.empty_like``), on the
+    backend of the call's route."""
+    a = _args(q, k, v, *opts)
+    return run_bwd(do, q, k, v, o, lse, a, route_of(q, k, v, a, grad=True, in_function=True).bwd)
 
 
 def _bwd_fake(do, q, k, v, o, lse, *opts):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.autograd.forward_ad as fwAD
 
+from flashjvp._launch import PLANS
 from flashjvp._policy import block_mask_tiles_ok, interpreting
 from flashjvp._sparse import SparsePlan, plan_of
 
@@ -335,24 +336,23 @@ def check_inputs(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=None
                     None if c is not None else diag)
 
 
-# AttnArgs of the calls without options beyond causal and scale, by their sizes: building a frozen
-# dataclass sets each field through object.__setattr__, as much host time as the rest of the
-# checks, while a model repeats the same few shapes. Shared safely: AttnArgs is immutable.
-_PLAIN_ARGS: dict[tuple, AttnArgs] = {}
-_PLAIN_ARGS_MAX = 256
+# AttnArgs of the calls without options beyond causal and scale are kept in the plan cache by their
+# sizes: building a frozen dataclass sets each field through object.__setattr__, as much host time
+# as the rest of the checks, while a model repeats the same few shapes. Shared safely: AttnArgs is
+# immutable.
 
 
 def _plain_args(sizes: tuple) -> AttnArgs:
     if torch.compiler.is_compiling():  # Dynamo would guard on the cache's contents
         return AttnArgs(*sizes)
+    key = ("sizes", sizes)
     try:
-        a = _PLAIN_ARGS.get(sizes)
+        a = PLANS.get(key)
     except TypeError:  # symbolic sizes (SymInt, e.g. under a ShapeEnv) cannot be hashed
         return AttnArgs(*sizes)
     if a is None:
-        if len(_PLAIN_ARGS) >= _PLAIN_ARGS_MAX:  # many distinct shapes: start over rather than grow
-            _PLAIN_ARGS.clear()
-        a = _PLAIN_ARGS[sizes] = AttnArgs(*sizes)
+        a = AttnArgs(*sizes)
+        PLANS.put(key, a)
     return a
 
 

@@ -25,7 +25,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.distributed as dist
 
 import flashjvp
-from flashjvp._bwd import attn_bwd
+from flashjvp._backends import route_of, run_bwd
 from flashjvp._validate import LAYOUTS, _norm_causal, _norm_scale, check_inputs
 
 __all__ = ["ulysses_attention", "ulysses_attention_jvp", "ring_attention", "ring_attention_jvp", "zigzag_shard",
@@ -406,7 +406,8 @@ def _ring_backward(do, q, k, v, o, lse, group, causal, scale):
             oi, doi = _chunk(o, i), _chunk(do, i)
             lsei = lse if i is None else lse.chunk(2, dim=2)[i]
             a = check_inputs(qi, ki, vi, causal=diag, scale=scale, layout="bnhd", allow_float64=False)
-            g = attn_bwd(doi.contiguous(), qi, ki, vi, oi.contiguous(), lsei.contiguous(), a)
+            route = route_of(qi, ki, vi, a, grad=True, in_function=True)
+            g = run_bwd(doi.contiguous(), qi, ki, vi, oi.contiguous(), lsei.contiguous(), a, route.bwd)
             _chunk(dq, i).add_(g[0])
             _chunk(dk, j).add_(g[1])
             _chunk(dv, j).add_(g[2])

@@ -9,15 +9,30 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 
 from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
+from flashjvp._backends import route_of, run_fwd
 from flashjvp._fwd import attn_fwd
 from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
 from flashjvp._plan import plain_plan
 from flashjvp._policy import interpreting
+from flashjvp._route import (
+    CUDNN,
+    FLASH,
+    SIZE_PREDICATES,
+    choose,
+    device_of,
+    representative,
+    switch_values,
+    switches,
+    torch_choice,
+)
 from flashjvp._sparse import dense_mask
-from flashjvp._validate import AttnArgs, check_inputs, check_varlen
+from flashjvp._validate import AttnArgs, bhnd_view, check_inputs, check_varlen
 from flashjvp.ref import attention_jvp_ref, attention_ref, attention_varlen_jvp_ref, attention_varlen_ref
 
 __all__ = ["attention", "attention_jvp", "attention_varlen", "attention_varlen_jvp"]
+
+# PyTorch's SDPA, captured at import (flashjvp.sdpa's patch may rebind the public name).
+_sdpa = torch._C._nn.scaled_dot_product_attention
 
 # CPU fallback without the interpreter: query rows per block, so memory stays O(block * Nk).
 _CPU_BLOCK_Q = 256
@@ -104,15 +119,22 @@ def _attention_at_jvp_level(q, k, v, a: AttnArgs, level: int) -> torch.Tensor:
     tq, tk, tv = (None if t is None else unwrap(t, level) for _, t in parts)
     with temporarily_pop_interpreter_stack():
         grad = _needs_grad(q0, k0, v0, tq, tk, tv)
-        if tq is None and tk is None and tv is None:
-            o = (AttentionFunction.apply(q0, k0, v0, a, False) if grad else
-                 attn_fwd(q0, k0, v0, None, None, None, a, need_lse=False))[0]
+        tangents = tq is not None or tk is not None or tv is not None
+        route = _route(q0, k0, v0, a, tangents, grad)
+        if not tangents:
+            o = (AttentionFunction.apply(q0, k0, v0, a, False, route) if grad else
+                 run_fwd(q0, k0, v0, a, route.fwd, need_lse=False))[0]
             return wrap(o, level)
         if grad:
-            o, to, _, _ = AttentionJVPFunction.apply(q0, k0, v0, tq, tk, tv, a, True)
+            o, to, _, _ = AttentionJVPFunction.apply(q0, k0, v0, tq, tk, tv, a, True, route)
         else:
             o, to, _, _ = attn_fwd(q0, k0, v0, tq, tk, tv, a)
     return fwAD.make_dual(wrap(o, level), wrap(to, level))
+
+
+def _route(q, k, v, a: AttnArgs, tangents: bool, grad: bool):
+    """The route of a call served outside an eager plan: flashjvp's autograd runs its backward."""
+    return route_of(q, k, v, a, tangents=tangents, grad=grad, in_function=True)
 
 
 # The kernel paths of ``attention`` and ``attention_jvp`` outside a graph: eager calls, and the
@@ -126,9 +148,9 @@ def _attention_kernels(q, k, v, a: AttnArgs) -> torch.Tensor:
     if _needs_math_path(stack):
         return _ref(q, k, v, None, None, None, a, jvp=False)
     if _plain(stack, q, k, v):  # no backward can follow: the lse is not needed
-        return attn_fwd(q, k, v, None, None, None, a, need_lse=False)[0]
+        return run_fwd(q, k, v, a, _route(q, k, v, a, False, False).fwd, need_lse=False)[0]
     defer = _has_tangent(q) or _has_tangent(k) or _has_tangent(v)
-    return AttentionFunction.apply(q, k, v, a, defer)[0]
+    return AttentionFunction.apply(q, k, v, a, defer, _route(q, k, v, a, defer, True))[0]
 
 
 @torch.compiler.disable
@@ -138,7 +160,8 @@ def _attention_jvp_kernels(q, k, v, tq, tk, tv, a: AttnArgs, return_lse: bool):
         return _ref(q, k, v, tq, tk, tv, a, jvp=True)
     if _plain(stack, q, k, v, tq, tk, tv):
         return attn_fwd(q, k, v, tq, tk, tv, a, store_mu=return_lse)
-    return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True)  # mu: for the backward
+    route = _route(q, k, v, a, True, True)
+    return AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True, route)  # mu: for the backward
 
 
 def _level_opened_outside() -> bool:
@@ -176,15 +199,68 @@ def _attention_dual(q, k, v, a: AttnArgs) -> torch.Tensor:
     return fwAD.make_dual(o, to)
 
 
+def _traced_call(q, k, v, a: AttnArgs) -> tuple:
+    """What routing reads of a plain call Dynamo traces, as constants (``_sdpa_in_graph``'s argument).
+    Sizes and strides may be symbolic (dynamic shapes), so only the predicates the rule reads of
+    them are taken (``_route.SIZE_PREDICATES``), each a guard of the graph."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    options = tuple(name for name, present in (
+        ("mask", a.mask is not None), ("kv_lens", a.kv_lens is not None), ("window", a.window is not None),
+        ("varlen", a.varlen is not None), ("block_mask", a.sparse is not None)) if present)
+    sizes = tuple(_bit(test(a)) for test in SIZE_PREDICATES)
+    addressable = _addressable(q) and _addressable(k) and _addressable(v)
+    return q.dtype, a.causal, options, sizes, addressable, grad, q.device.type, q.device.index
+
+
+def _bit(value) -> bool:
+    """A Python bool of a possibly symbolic condition (Dynamo guards on it)."""
+    return True if value else False  # noqa: SIM210
+
+
+def _addressable(x: torch.Tensor) -> bool:
+    """``_cudnn.strides_ok`` without the pointer, which traced tensors lack: unit-stride head dim,
+    other strides multiples of 16 bytes (every size-1 dimension aside)."""
+    align = max(16 // x.element_size(), 1)
+    if x.stride(-1) != 1:
+        return False
+    for n, st in zip(x.shape[:-1], x.stride()[:-1]):
+        if n != 1 and (st <= 0 or st % align != 0):
+            return False
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _sdpa_in_graph(traced: tuple) -> bool:
+    """Whether the rule routes a traced plain call to the backend PyTorch's SDPA itself would pick
+    (cuDNN or flash attention): evaluated once while Dynamo traces, like SDPA's own choice, on a
+    call with the traced one's predicates (``_route.representative``)."""
+    dtype, causal, options, sizes, addressable, grad, device_type, device_index = traced
+    call = representative(dtype, causal, frozenset(options), sizes, addressable, grad)
+    dev = device_of(torch.device(device_type, device_index) if device_index is not None else torch.device(device_type))
+    sw = switches(switch_values())
+    route = choose(call, dev, sw)
+    return route.fwd in (CUDNN, FLASH) and route.fwd == torch_choice(call, dev, sw)
+
+
+def _torch_sdpa(q, k, v, a: AttnArgs) -> torch.Tensor:
+    """``o`` of PyTorch's SDPA for a plain call (traced into the graph): ``o`` in q's order of
+    dimensions where ``a.out_like_q`` (sdpa's contract), else contiguous in the call's layout."""
+    qb, kb, vb = bhnd_view(q, a.layout), bhnd_view(k, a.layout), bhnd_view(v, a.layout)
+    o = bhnd_view(_sdpa(qb, kb, vb, is_causal=a.causal is not None, scale=a.scale), a.layout)
+    return o if a.out_like_q else o.contiguous()
+
+
 def _attention(q, k, v, a: AttnArgs) -> torch.Tensor:
     """``attention`` on validated 4-d tensors (packed batches: their (1, total, H, D) views)."""
     if not _use_kernels(q):
         return _ref(q, k, v, None, None, None, a, jvp=False)
-    # In a graph, plain calls are flashjvp's operator, which picks cuDNN or Triton when it runs
-    # (_ops.py). Not PyTorch's SDPA traced in their place: whether SDPA takes the tensors as they
-    # are depends on their storage offsets, which Dynamo can neither read without a graph break
-    # nor guard on, and Inductor's SDPA gave wrong values for an input at an odd offset.
+    # In a graph, a plain call that PyTorch's SDPA would serve with cuDNN or flash attention (the
+    # rule's answer for the traced sizes and strides) is PyTorch's SDPA, so the compiled step does
+    # the same graph work as F.scaled_dot_product_attention; other plain calls are flashjvp's
+    # operator, which runs the route of the real tensors (_ops.py).
     if torch.compiler.is_compiling() and not _forward_ad_active():
+        if _sdpa_in_graph(_traced_call(q, k, v, a)):
+            return _torch_sdpa(q, k, v, a)
         return attn_fwd_op(q, k, v, *options(a))[0]
     if torch.compiler.is_compiling() and _dual_in_graph():  # a forward-AD level open: its rule in the graph
         return _attention_dual(q, k, v, a)

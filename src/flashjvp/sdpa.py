@@ -161,9 +161,12 @@ def _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 def _differentiable(mask: torch.Tensor) -> bool:
-    """Whether ``mask`` takes part in reverse or forward mode AD (``torch.func`` wraps it)."""
-    return (mask.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(mask)
-            or fwAD.unpack_dual(mask).tangent is not None)
+    """Whether ``mask`` takes part in reverse or forward mode AD (``torch.func`` wraps it). Dynamo
+    traces no ``torch.func`` wrapper (and cannot trace the query for one): while compiling, the
+    other two tests decide."""
+    if mask.requires_grad or fwAD.unpack_dual(mask).tangent is not None:
+        return True
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(mask)
 
 
 def _mask_bhnd(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
