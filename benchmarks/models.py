@@ -45,7 +45,7 @@ from flashjvp.sdpa import SDPAFallbackWarning
 
 STEPS = ("plain", "meanflow", "scm")
 MODES = ("eager", "compile", "reduce-overhead")
-PROVIDERS = ("torch", "torch-math", "flashjvp")
+PROVIDERS = ("torch", "torch-math", "flashjvp", "no-attention")
 DEFAULT_PROVIDERS = ("torch", "flashjvp")
 
 
@@ -155,6 +155,7 @@ WAN_TINY = WAN_1_3B | dict(num_attention_heads=2, attention_head_dim=12, in_chan
 # name -> (builder, batch, full config, tiny config); --tiny runs batch 2 in float32
 MODELS = {
     "dit-xl-block": (build_block, 32, dict(n=256, dim=1152, heads=16), dict(n=16, dim=32, heads=2)),
+    "dit-xl-block-1024": (build_block, 8, dict(n=1024, dim=1152, heads=16), dict(n=32, dim=32, heads=2)),
     "dit-xl2-256": (build_dit, 32, DIT_XL2 | dict(sample_size=32), DIT_TINY | dict(sample_size=8)),
     "sit-xl2-512": (build_dit, 8, DIT_XL2 | dict(sample_size=64), DIT_TINY | dict(sample_size=12)),
     "wan-block-32k": (build_wan, 1, WAN_1_3B, WAN_TINY),
@@ -231,9 +232,24 @@ def float_layer_norm():
         torch.nn.functional.layer_norm = layer_norm
 
 
+@contextlib.contextmanager
+def no_attention():
+    """``F.scaled_dot_product_attention`` replaced by returning ``value``: the same step with
+    attention's cost removed (the ceiling a faster attention could reach)."""
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda q, k, v, *args, **kwargs: v
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
 def sdpa_context(provider: str, step: str, patch: bool = True):
     """flashjvp: patch_sdpa (unless ``patch`` is False: the model runs flashjvp through its
-    integration, ``flashjvp_in``); torch: the math backend for JVP steps (the others lack forward AD)."""
+    integration, ``flashjvp_in``); torch: the math backend for JVP steps (the others lack forward AD);
+    no-attention: SDPA returns its value input."""
+    if provider == "no-attention":
+        return no_attention()
     if provider == "flashjvp":
         return flashjvp.patch_sdpa() if patch else contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH) if provider == "torch-math" or step != "plain" else contextlib.nullcontext()
@@ -296,15 +312,16 @@ def run_row(case: Case, row: Row, args, cuda: bool) -> Row:
 def _run_row(case: Case, row: Row, args, cuda: bool, patch: bool) -> Row:
     loss = LOSSES[row.step]
     plain = args.tiny or args.bf16_weights
-    cast = contextlib.nullcontext() if plain else torch.autocast(case.target.device.type, dtype=torch.bfloat16)
-    norm = float_layer_norm() if row.step != "plain" and args.float_layer_norm else contextlib.nullcontext()
+    # context managers made anew for every step: a generator-based one can be entered only once
+    cast = contextlib.nullcontext if plain else lambda: torch.autocast(case.target.device.type, dtype=torch.bfloat16)
+    norm = float_layer_norm if row.step != "plain" and args.float_layer_norm else contextlib.nullcontext
     kw = {"mode": "reduce-overhead"} if row.mode == "reduce-overhead" else {}
 
     def step_of(fn: Callable) -> Callable:
         def step():
             if row.mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
-            with sdpa_context(row.provider, row.step, patch), cast, norm:
+            with sdpa_context(row.provider, row.step, patch), cast(), norm():
                 fn().backward()
         return step
 

@@ -29,9 +29,10 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from flashjvp import _cudnn
-from flashjvp._autograd import AttentionFunction
+from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._backends import PLANS, refuse, route_of, run_fwd
 from flashjvp._cudnn import contiguous_strides, matching_layout_strides
+from flashjvp._fwd import attn_fwd
 from flashjvp._launch import LaunchLog, aligned16, out_shape, record_launch
 from flashjvp._route import CUDNN, FLASH, TRITON, switch_values
 from flashjvp._validate import AttnArgs, bhnd_view
@@ -140,5 +141,44 @@ def _cudnn_plan(q, a: AttnArgs, grad: bool, contiguous: bool):
         if LaunchLog._active:
             record_launch("cudnn_sdpa_fwd", {}, CAUSAL=causal, LAYOUT=layout, LSE=grad)
         return o
+
+    return run
+
+
+def jvp_plan(q, k, v, tq, tk, tv, causal, scale, layout, align, return_lse, make_args):
+    """The function ``(q, k, v, tq, tk, tv) -> (o, to, lse, mu)`` serving this call of
+    ``attention_jvp`` without masking options (as ``_attention_jvp`` returns them), or None where
+    the caller must take its checked path: under a transform, a forward-AD level or Dynamo, for
+    tensor subclasses, on the CPU, or without any tangent. ``make_args()`` validates the call on a
+    cache miss."""
+    if torch.compiler.is_compiling() or fwAD._current_level >= 0 or _peek_transform() is not None:
+        return None
+    xs = (q, k, v, tq, tk, tv)
+    if any(x is not None and type(x) not in _PLAIN_TYPES for x in xs) or (tq is None and tk is None and tv is None):
+        return None
+    try:
+        grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+        values = switch_values()
+        key = ("jvp", *(None if x is None else (x.shape, x.stride(), x.dtype, x.device) for x in xs), causal,
+               scale, layout, align, return_lse, grad, aligned16(*xs), values)
+        plan = PLANS.get(key)
+    except (TypeError, RuntimeError):  # unhashable options, or tensors without strides
+        return None
+    if plan is None:
+        a = make_args()
+        plan = _NO_PLAN
+        if q.is_cuda and a.kv_lens is None and a.window is None and a.mask is None and a.sparse is None:
+            plan = _jvp_run(a, grad, return_lse, route_of(q, k, v, a, tangents=True, grad=grad, in_function=True))
+        PLANS.put(key, plan)
+    return None if plan is _NO_PLAN else plan
+
+
+def _jvp_run(a: AttnArgs, grad: bool, return_lse: bool, route):
+    def run(q, k, v, tq, tk, tv):
+        if grad:
+            o, to, lse, mu = AttentionJVPFunction.apply(q, k, v, tq, tk, tv, a, True, route)
+        else:
+            o, to, lse, mu = attn_fwd(q, k, v, tq, tk, tv, a, store_mu=return_lse)
+        return o, to, lse, (mu if return_lse else None)
 
     return run

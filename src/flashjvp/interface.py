@@ -12,7 +12,7 @@ from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._backends import route_of, run_fwd
 from flashjvp._fwd import attn_fwd
 from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
-from flashjvp._plan import plain_plan
+from flashjvp._plan import jvp_plan, plain_plan
 from flashjvp._policy import interpreting
 from flashjvp._route import (
     CUDNN,
@@ -356,6 +356,13 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
     Every output is differentiable with respect to q, k, v and the given tangents (Triton
     backward kernels; through ``to``, ``lse`` or ``mu`` this is the second-order backward).
     """
+    if kv_lens is None and window is None and attn_mask is None and block_mask is None:  # a cached plan
+        plan = jvp_plan(q, k, v, tq, tk, tv, causal, scale, layout, align, return_lse,
+                        lambda: check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
+                                             allow_float64=False, align=align))
+        if plan is not None:
+            o, to, lse, mu = plan(q, k, v, tq, tk, tv)
+            return (o, to, lse, mu) if return_lse else (o, to)
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
                      allow_float64=False, kv_lens=kv_lens, window=window, attn_mask=attn_mask, align=align,
                      block_mask=block_mask)
