@@ -170,14 +170,16 @@ def sparse_bits(BITS, lst, j, rows, keys, maxb, SP_BM: tl.constexpr, SP_BN: tl.c
     base = BITS + slot.to(tl.int64) * (SP_BM * WORDS)
     r = rows % SP_BM
     c = keys % SP_BN
-    listed = slot >= 0
+    # The load mask (listed: slot >= 0) compares the slot broadcast to the tile, rather than broadcasting
+    # a scalar compare: Triton 3.9's interpreter gives a broadcast scalar compare the int32 dtype of its
+    # operand, which its load rejects as a mask. Compiled, it folds to one scalar compare of the slot.
     if TRANSPOSED:
         offs = r[None, :] * WORDS + (c // 32)[:, None]  # (len(keys), len(rows))
-        w = tl.load(base + offs, mask=(offs >= 0) & listed, other=-1)
+        w = tl.load(base + offs, mask=tl.broadcast_to(slot, offs.shape) >= 0, other=-1)
         vis = ((w >> (c % 32)[:, None]) & 1) != 0
     else:
         offs = r[:, None] * WORDS + (c // 32)[None, :]  # (len(rows), len(keys))
-        w = tl.load(base + offs, mask=(offs >= 0) & listed, other=-1)
+        w = tl.load(base + offs, mask=tl.broadcast_to(slot, offs.shape) >= 0, other=-1)
         vis = ((w >> (c % 32)[None, :]) & 1) != 0
     return vis
 
