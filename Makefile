@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PINS := torch==2.13.0 triton==3.6.0 torchvision==0.28.0 timm==1.0.31 diffusers==0.42.1 transformers==5.23.0
 HAS_GPU = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
-.PHONY: test demo lint bench gpu-test clean
+.PHONY: test test-full demo lint bench gpu-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]" $(PINS)
 	touch $(STAMP)
 
-test: $(STAMP)  ## the whole suite; on a machine without a GPU the kernels run in Triton's interpreter
+# `make test` samples the big parametrized matrices (tests/conftest.py: MATRICES): every value of
+# every parameter in each run, the combinations by a seed, FLASHJVP_TEST_SEED (default 0), printed
+# in pytest's header and summary; `make test-full` runs every parametrization.
+test: $(STAMP)  ## the suite, matrices sampled; on a machine without a GPU the kernels run in Triton's interpreter
 	$(PY) -m pytest tests -q -n auto
+
+test-full: $(STAMP)  ## the whole suite, every parametrization of every matrix (about twice as long)
+	FLASHJVP_TEST_FULL=1 $(PY) -m pytest tests -q -n auto
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples scripts benchmarks
@@ -34,7 +40,7 @@ bench:  ## on a GPU machine: the benchmark suite (results under benchmarks/resul
 	PYTHONPATH=src $(PYTHON) -m benchmarks.bench
 
 gpu-test:  ## on a GPU machine: the full GPU test matrix
-	PYTHONPATH=src FLASHJVP_AUTOTUNE=0 $(PYTHON) -m pytest tests -q -n 8
+	PYTHONPATH=src FLASHJVP_AUTOTUNE=0 FLASHJVP_TEST_FULL=1 $(PYTHON) -m pytest tests -q -n 8
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -6,7 +6,8 @@ here from the documented rule (docs/semantics.md), independently of flashjvp.ref
 The cross product is sampled deterministically: every pair of values of any two axes occurs in at
 least one case (a greedy all-pairs cover with a fixed seed), plus the cases of issue #37 by name.
 Sizes are tiny (one 16-wide block in Triton's CPU interpreter). The distributed functions run on 2
-and 4 gloo ranks, all their cases in one spawn per group size.
+and 4 gloo ranks, all their cases in one spawn per group size. `make test` runs a seeded sample of
+these cases (tests/conftest.py: MATRICES, INNER_MATRICES), `make test-full` all of them.
 """
 
 from __future__ import annotations
@@ -451,9 +452,10 @@ def _dist_keep(c):
 
 _DIST = pairwise(_DIST_AXES, _dist_keep, seed=40) + full_product(_DIST_AXES, ("fn", "layout", "causal"), _dist_keep)
 # issue #37, defect 1: ulysses_attention_jvp with layout="bhnd"; defect 2: every function's default
-_DIST += [dict(fn="ulysses_attention_jvp", layout="bhnd", tangents="all", causal=False, lse=False)]
-_DIST += [dict(fn=fn, layout="default", tangents="all", causal=True, lse=fn.endswith("_jvp")) for fn in _DIST_FNS]
-_DIST = _unique(_DIST)
+_DIST_ISSUE37 = [dict(fn="ulysses_attention_jvp", layout="bhnd", tangents="all", causal=False, lse=False)]
+_DIST_ISSUE37 += [dict(fn=fn, layout="default", tangents="all", causal=True, lse=fn.endswith("_jvp"))
+                  for fn in _DIST_FNS]
+_DIST = _unique(_DIST + _DIST_ISSUE37)
 
 
 def _dist_case(c, rank, world):
@@ -500,12 +502,12 @@ def _dist_case(c, rank, world):
     compare(got, truth(torch.float64), truth(torch.float32), label=f"rank {rank}: ")
 
 
-def _dist_worker(rank, world, rendezvous, out_dir):
-    """Every distributed case on this rank; writes {case id: None or the failure} to out_dir."""
+def _dist_worker(rank, world, rendezvous, out_dir, cases):
+    """Every case of ``cases`` on this rank; writes {case id: None or the failure} to out_dir."""
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     results = {}
     try:
-        for c in _DIST:
+        for c in cases:
             try:
                 _dist_case(c, rank, world)
                 results[case_id(c)] = None
@@ -522,11 +524,14 @@ _DIST_TIMEOUT_S = 240
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"{w}-gloo-ranks")
-def test_distributed(world):
+def test_distributed(world, matrix_sample):
     """ulysses_attention(_jvp), ring_attention(_jvp) x layout x tangents x causal x return_lse
-    against the whole-sequence float64 result, every rank's shard; the failures name their cases."""
+    against the whole-sequence float64 result, every rank's shard; the failures name their cases.
+    A sampled run takes a sample of the cases (conftest.py: INNER_MATRICES), the issue's always."""
+    cases = matrix_sample(_DIST, always=_DIST_ISSUE37)
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.spawn(_dist_worker, args=(world, os.path.join(tmp, "rendezvous"), tmp), nprocs=world, join=False)
+        ctx = mp.spawn(_dist_worker, args=(world, os.path.join(tmp, "rendezvous"), tmp, cases), nprocs=world,
+                       join=False)
         deadline = time.monotonic() + _DIST_TIMEOUT_S
         while not ctx.join(timeout=5):
             if time.monotonic() > deadline:
@@ -537,10 +542,10 @@ def test_distributed(world):
         for r in range(world):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 per_rank.append(json.load(f))
-    failures = [f"{cid}: {res}" for cid in (case_id(c) for c in _DIST)
+    failures = [f"{cid}: {res}" for cid in (case_id(c) for c in cases)
                 for res in [next((r[cid] for r in per_rank if r.get(cid)), None)] if res]
-    assert len(per_rank[0]) == len({case_id(c) for c in _DIST})
-    assert not failures, f"{len(failures)} of {len(_DIST)} distributed cases failed:\n" + "\n".join(failures)
+    assert len(per_rank[0]) == len({case_id(c) for c in cases})
+    assert not failures, f"{len(failures)} of {len(cases)} distributed cases failed:\n" + "\n".join(failures)
 
 
 # --------------------------------------------------------------------------- refusals found by the audit
