@@ -8,7 +8,16 @@ STAMP := $(VENV)/.installed
 PINS := torch==2.13.0 triton==3.6.0 torchvision==0.28.0 timm==1.0.31 diffusers==0.42.1 transformers==5.23.0
 HAS_GPU = $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
-.PHONY: test test-full demo lint bench gpu-test clean
+# The newest Triton on PyPI, in a second venv: `make test-triton-latest` runs the kernel tests under
+# its interpreter (numpy >= 2.4 is fine there), so the supported range is the tested one.
+LATEST_VENV ?= .venv-triton-latest
+LATEST_PY := $(LATEST_VENV)/bin/python
+LATEST_PINS := torch==2.13.0 triton==3.9.0 numpy pytest pytest-xdist
+LATEST_TESTS := tests/test_forward.py tests/test_backward.py tests/test_block_mask.py tests/test_masks.py \
+	tests/test_window.py tests/test_varlen.py tests/test_padding.py tests/test_second_order.py tests/test_split.py \
+	tests/test_launch_fallback.py tests/test_route.py tests/test_plan.py
+
+.PHONY: test test-full test-triton-latest demo lint bench gpu-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +34,17 @@ test: $(STAMP)  ## the suite, matrices sampled; on a machine without a GPU the k
 
 test-full: $(STAMP)  ## the whole suite, every parametrization of every matrix (about twice as long)
 	FLASHJVP_TEST_FULL=1 $(PY) -m pytest tests -q -n auto
+
+$(LATEST_VENV)/.installed: pyproject.toml
+	test -x $(LATEST_PY) || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_PY) -m pip install -q --upgrade pip
+	$(LATEST_PY) -m pip install -q $(LATEST_PINS)
+	$(LATEST_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+test-triton-latest: $(LATEST_VENV)/.installed  ## the kernel tests (matrices sampled) under the newest Triton
+	$(LATEST_PY) -c "import triton; print('triton', triton.__version__)"
+	$(LATEST_PY) -m pytest $(LATEST_TESTS) -q -n auto
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples scripts benchmarks
@@ -43,4 +63,4 @@ gpu-test:  ## on a GPU machine: the full GPU test matrix
 	PYTHONPATH=src FLASHJVP_AUTOTUNE=0 FLASHJVP_TEST_FULL=1 $(PYTHON) -m pytest tests -q -n 8
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(LATEST_VENV) outputs .pytest_cache
