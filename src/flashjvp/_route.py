@@ -384,12 +384,17 @@ def _env_true(value: str) -> bool:
     return value.strip().lower() not in ("", "0", "false", "off", "no", "n")
 
 
+def option_names(a) -> tuple[str, ...]:
+    """The names (``OPTIONS``) of the masking options ``a`` (an ``AttnArgs``) carries."""
+    return tuple(name for name, present in (
+        ("mask", a.mask is not None), ("kv_lens", a.kv_lens is not None), ("window", a.window is not None),
+        ("varlen", a.varlen is not None), ("block_mask", a.sparse is not None)) if present)
+
+
 def call_of(a, dtype: torch.dtype, *, addressable: bool, tangents: bool, grad: bool, own_backward: bool) -> Call:
     """The :class:`Call` of validated arguments ``a`` (an ``AttnArgs``). Every field of ``AttnArgs``
     is either read here or listed in ``OUTPUT_FIELDS`` (tests/test_route.py holds the two to it)."""
-    options = frozenset(name for name, present in (
-        ("mask", a.mask is not None), ("kv_lens", a.kv_lens is not None), ("window", a.window is not None),
-        ("varlen", a.varlen is not None), ("block_mask", a.sparse is not None)) if present)
+    options = frozenset(option_names(a))
     causal = a.causal if a.causal is not None or a.window is None else None
     return Call(dtype, a.batch, a.h_q, a.h_kv, a.n_q, a.n_k, a.d_qk, a.d_v, causal, options, addressable,
                 tangents, grad, own_backward)

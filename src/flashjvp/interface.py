@@ -20,6 +20,7 @@ from flashjvp._route import (
     SIZE_PREDICATES,
     choose,
     device_of,
+    option_names,
     representative,
     switch_values,
     switches,
@@ -204,9 +205,7 @@ def _traced_call(q, k, v, a: AttnArgs) -> tuple:
     Sizes and strides may be symbolic (dynamic shapes), so only the predicates the rule reads of
     them are taken (``_route.SIZE_PREDICATES``), each a guard of the graph."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    options = tuple(name for name, present in (
-        ("mask", a.mask is not None), ("kv_lens", a.kv_lens is not None), ("window", a.window is not None),
-        ("varlen", a.varlen is not None), ("block_mask", a.sparse is not None)) if present)
+    options = option_names(a)
     sizes = tuple(_bit(test(a)) for test in SIZE_PREDICATES)
     addressable = _addressable(q) and _addressable(k) and _addressable(v)
     return q.dtype, a.causal, options, sizes, addressable, grad, q.device.type, q.device.index
