@@ -1,4 +1,4 @@
-"""The measurements behind the ``auto`` policy of the plain forward and backward (``_cudnn.CUDNN_FASTER``).
+"""The measurements behind the ``auto`` policy of the plain forward and backward (``_route.CUDNN_FASTER``).
 
 For a grid of shapes (head dims 64/72/128, sequence lengths 256 to 8192, causal or not, and cross
 attention with 512 keys), bf16, it times flashjvp's plain forward (no grad) and backward (of one

@@ -188,7 +188,7 @@ def cudnn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: AttnArgs, *,
     """``(o, lse)`` of attention through PyTorch's cuDNN SDPA: ``o`` with ``attn_fwd``'s strides
     (``_launch.out_strides``), ``lse`` (B, Hq, Nq) float32 contiguous, natural log, or None without
     ``need_lse`` (cuDNN's inference kernel: no backward follows). For cases
-    :func:`cudnn_supported` accepts (no check here)."""
+    ``_route.cudnn_supports`` accepts (no check here)."""
     fwd, _ = _ops()
     out = fwd(bhnd_view(q, a.layout), bhnd_view(k, a.layout), bhnd_view(v, a.layout), None, need_lse, 0.0,
               a.causal is not None, False, scale=a.scale)
@@ -210,7 +210,7 @@ def cudnn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """``(dq, dk, dv)`` of ``o = attention(q, k, v)`` through PyTorch's cuDNN SDPA backward, from
     any forward's ``o`` and ``lse`` ((B, Hq, Nq) float32, natural log: flashjvp's or cuDNN's; the
     conversion is a view, see the module docstring). Gradients have ``torch.empty_like``'s
-    strides of their inputs. For cases :func:`cudnn_supported` accepts (no check here)."""
+    strides of their inputs. For cases ``_route.cudnn_supports`` accepts (no check here)."""
     _, bwd = _ops()
     qb, kb, vb = bhnd_view(q, a.layout), bhnd_view(k, a.layout), bhnd_view(v, a.layout)
     # o and dO with the strides cuDNN's forward gives o for this q (a function of q's strides)

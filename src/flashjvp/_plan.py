@@ -4,7 +4,7 @@ A *plain* call is one that no tangent can reach: no forward-AD level is open (``
 opens one too), no ``torch.func`` transform is active and Dynamo is not tracing. Such a call of
 :func:`flashjvp.attention` or :func:`flashjvp.sdpa` is served from a plan cached by its signature
 (sizes, strides, dtypes, devices, options, whether a backward can follow, 16-byte alignment and
-the switches of ``_route.switch_values``) in ``_backends.PLANS``, the one plan cache: a repeated
+the switches of ``_route.switch_values``) in ``_launch.PLANS``, the one plan cache: a repeated
 call skips the argument checks, the routing and the launch arguments.
 
 The plan runs the route ``_route.choose`` gave the call (``_backends.route_of``):
