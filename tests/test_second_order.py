@@ -194,3 +194,30 @@ def test_inputs_are_not_modified():
     _grads(flashjvp.attention_jvp, xs, _cotangents(xs, layout), torch.float32, layout=layout)
     for a, b in zip(xs, before):
         assert torch.equal(a, b)
+
+
+def test_inputs_are_read_in_place(monkeypatch):
+    """The second-order backward reads q, k, v, the tangents, o, to and the cotangents through their
+    own strides: each reaches the kernels as a view of its own memory (no contiguous copy), whatever
+    its layout; only a tensor whose head dim is not unit-stride is copied."""
+    from flashjvp import _bwd_jvp
+
+    seen = []
+    real = _bwd_jvp.launch_tuned
+
+    def spy(kernel, grid, *args, **kwargs):
+        seen.append([x for x in args if isinstance(x, torch.Tensor)])
+        return real(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(_bwd_jvp, "launch_tuned", spy)
+    q, k, v, tq, tk, tv = make_qkv(1, 2, 2, 19, 23, 16, 16, "bnhd", torch.float32,
+                                   kinds=("swapped", "sliced", "contiguous", "strided"))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, tq, tk, tv)]
+    o, to = flashjvp.attention_jvp(*leaves, layout="bnhd")
+    (o.sum() + (to * to).sum()).backward()
+    assert len(seen) == 2, "the second-order backward did not run"
+    ptrs = {x.data_ptr() for x in seen[0]}
+    for name, x in zip(("q", "k", "v", "tq", "tk", "tv"), (q, k, v, tq, tk, tv)):
+        if x.stride(-1) == 1:
+            assert x.data_ptr() in ptrs, f"{name} ({x.stride()}) was copied"
+    assert o.data_ptr() in ptrs and to.data_ptr() in ptrs

@@ -13,8 +13,10 @@ and key j, with ts the tangent logits (scaled), c = dto . o and g = dmu - c:
 Two launches as in the first-order backward (``_bwd.py``): per query block dQ and dtQ (it also
 stores delta and g for its rows), then per key block and kv head dK, dV, dtK, dtV, summing the
 query heads of a GQA group in a fixed order. Missing tangents and missing cotangents are
-compile-time flags, so their products are skipped. The launcher hands the kernels (B, H, N, D)
-contiguous copies of its inputs, so the kernels need no strides.
+compile-time flags, so their products are skipped. The inputs are read in place through their
+(batch, head, sequence) strides, whatever the layout (a copy only of a tensor whose head dim is not
+unit-stride); the gradients are written to (B, H, N, D) contiguous buffers, returned in the call's
+layout as views.
 """
 
 from __future__ import annotations
@@ -108,7 +110,10 @@ def _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv,
 @triton.jit
 def _attn_bwd_jvp_dq_kernel(
     Q, K, V, TQ, TK, TV, O, TO, DO, DTO, LSE, MU, DLSE, DMU, DELTA, G, DQ, DTQ, KV_LENS, CU_Q, CU_K, MASK,
-    SP_ROW, SP_COL, SP_BITS, s_mb, s_mh, s_mm, s_mn, s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
+    SP_ROW, SP_COL, SP_BITS,
+    s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_tqb, s_tqh, s_tqn, s_tkb, s_tkh, s_tkn,
+    s_tvb, s_tvh, s_tvn, s_ob, s_oh, s_on, s_tob, s_toh, s_ton, s_dob, s_doh, s_don, s_dtob, s_dtoh, s_dton,
+    s_mb, s_mh, s_mm, s_mn, s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
     H_Q, GROUPS, N_Q, N_K, NQ_T, NK_T, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -130,21 +135,28 @@ def _attn_bwd_jvp_dq_kernel(
     bt = b if not VARLEN else b * 0  # batch index in the tensors (packed: one (1, H, total, D))
     h_kv = h // GROUPS
     bh = bt * H_Q + h  # (batch, query head)
-    bkv = bt * (H_Q // GROUPS) + h_kv  # (batch, kv head)
-    q_base = (bh * NQ_T + q0) * D_QK  # row 0 of this sequence and head in q-shaped tensors
-    o_base = (bh * NQ_T + q0) * D_V
-    k_base = (bkv * NK_T + k0) * D_QK
-    v_base = (bkv * NK_T + k0) * D_V
+    # row 0 of this sequence and head in each input (its own strides), and in the (B, H, N, D) gradients
+    Q += bt * s_qb + h * s_qh + q0 * s_qn
+    TQ += bt * s_tqb + h * s_tqh + q0 * s_tqn
+    O += bt * s_ob + h * s_oh + q0 * s_on
+    TO += bt * s_tob + h * s_toh + q0 * s_ton
+    DO += bt * s_dob + h * s_doh + q0 * s_don
+    DTO += bt * s_dtob + h * s_dtoh + q0 * s_dton
+    K += bt * s_kb + h_kv * s_kh + k0 * s_kn
+    TK += bt * s_tkb + h_kv * s_tkh + k0 * s_tkn
+    V += bt * s_vb + h_kv * s_vh + k0 * s_vn
+    TV += bt * s_tvb + h_kv * s_tvh + k0 * s_tvn
+    q_out = (bh * NQ_T + q0) * D_QK
     rows = m0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     rvalid = rows < n_q
     cqk = tl.arange(0, BLOCK_DQK)
     cv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
-    q = _tile(Q + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+    q = _tile(Q, rows, cqk, n_q, D_QK, s_qn)  # (BLOCK_M, BLOCK_DQK)
     tq = q
     if HAS_TQ:
-        tq = _tile(TQ + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
-    o = _tile(O + o_base, rows, cv, n_q, D_V, D_V).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
+        tq = _tile(TQ, rows, cqk, n_q, D_QK, s_tqn)  # (BLOCK_M, BLOCK_DQK)
+    o = _tile(O, rows, cv, n_q, D_V, s_on).to(tl.float32)  # (BLOCK_M, BLOCK_DV)
     do = o
     dto = o
     idx = bh * NQ_T + q0 + rows  # (BLOCK_M,) flat row index in the (B, H, N) statistics
@@ -154,11 +166,11 @@ def _attn_bwd_jvp_dq_kernel(
     delta = tl.zeros([BLOCK_M], tl.float32)
     c = tl.zeros([BLOCK_M], tl.float32)
     if HAS_DO:
-        do = _tile(DO + o_base, rows, cv, n_q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+        do = _tile(DO, rows, cv, n_q, D_V, s_don)  # (BLOCK_M, BLOCK_DV)
         delta += tl.sum(do.to(tl.float32) * o, 1)
     if HAS_DTO:
-        dto = _tile(DTO + o_base, rows, cv, n_q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
-        to = _tile(TO + o_base, rows, cv, n_q, D_V, D_V).to(tl.float32)
+        dto = _tile(DTO, rows, cv, n_q, D_V, s_dton)  # (BLOCK_M, BLOCK_DV)
+        to = _tile(TO, rows, cv, n_q, D_V, s_ton).to(tl.float32)
         delta += tl.sum(dto.to(tl.float32) * to, 1)
         c = tl.sum(dto.to(tl.float32) * o, 1)
     g = dmu - c  # (BLOCK_M,)
@@ -184,8 +196,8 @@ def _attn_bwd_jvp_dq_kernel(
         if SPARSE:
             start_n, j = sparse_start(lst, pos, SP_BN)
         keys = start_n + offs_n  # (BLOCK_N,)
-        k = _tile(K + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
-        v = _tile(V + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+        k = _tile(K, keys, cqk, n_k, D_QK, s_kn)  # (BLOCK_N, BLOCK_DQK)
+        v = _tile(V, keys, cv, n_k, D_V, s_vn)  # (BLOCK_N, BLOCK_DV)
         tk = k
         tv = v
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
@@ -194,10 +206,10 @@ def _attn_bwd_jvp_dq_kernel(
         if SPARSE:
             p = tl.where(sparse_bits(SP_BITS, lst, j, rows, keys, maxb, SP_BM, SP_BN, False), p, 0.0)
         if HAS_TK:
-            tk = _tile(TK + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+            tk = _tile(TK, keys, cqk, n_k, D_QK, s_tkn)  # (BLOCK_N, BLOCK_DQK)
         ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
         if HAS_TV:
-            tv = _tile(TV + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+            tv = _tile(TV, keys, cv, n_k, D_V, s_tvn)  # (BLOCK_N, BLOCK_DV)
         ds, dts = _row_grads(p, ts, mu, g, delta, dlse, do, dto, v, tv, HAS_TS, HAS_TV, HAS_DO, HAS_DTO,
                              DOT_PREC)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -206,7 +218,7 @@ def _attn_bwd_jvp_dq_kernel(
         if HAS_TQ:
             dtq = tl.dot(dts.to(k.dtype), k, dtq, input_precision=DOT_PREC)
     omask = rvalid[:, None] & (cqk < D_QK)[None, :]
-    out = q_base + rows[:, None] * D_QK + cqk[None, :]
+    out = q_out + rows[:, None] * D_QK + cqk[None, :]
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=omask)
     if HAS_TQ:
         tl.store(DTQ + out, (dtq * scale).to(DTQ.dtype.element_ty), mask=omask)
@@ -217,7 +229,10 @@ def _attn_bwd_jvp_dq_kernel(
 @triton.jit
 def _attn_bwd_jvp_dkdv_kernel(
     Q, K, V, TQ, TK, TV, DO, DTO, LSE, MU, DLSE, DELTA, G, DK, DV, DTK, DTV, KV_LENS, CU_Q, CU_K, MASK,
-    SP_ROW, SP_COL, SP_BITS, s_mb, s_mh, s_mm, s_mn, s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
+    SP_ROW, SP_COL, SP_BITS,
+    s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_tqb, s_tqh, s_tqn, s_tkb, s_tkh, s_tkn,
+    s_tvb, s_tvh, s_tvn, s_dob, s_doh, s_don, s_dtob, s_dtoh, s_dton,
+    s_mb, s_mh, s_mm, s_mn, s_rb, s_rh, s_rn, s_cb, s_ch, s_cn,
     H_Q, GROUPS, N_Q, N_K, NQ_T, NK_T, bottom_right, win_r, win_l, scale_log2, scale, N_Q_BUCKET, N_K_BUCKET,
     D_QK, D_V, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, RIGHT: tl.constexpr, LEFT: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -238,20 +253,25 @@ def _attn_bwd_jvp_dkdv_kernel(
     off_r, off_l = diagonals(n_q, n_k, bottom_right, win_r, win_l)
     bt = b if not VARLEN else b * 0  # batch index in the tensors (packed: one (1, H, total, D))
     bkv = bt * (H_Q // GROUPS) + h_kv
-    k_base = (bkv * NK_T + k0) * D_QK  # key 0 of this sequence and kv head in k-shaped tensors
+    # key 0 of this sequence and kv head in each input (its own strides), and in the (B, H, N, D) gradients
+    K += bt * s_kb + h_kv * s_kh + k0 * s_kn
+    TK += bt * s_tkb + h_kv * s_tkh + k0 * s_tkn
+    V += bt * s_vb + h_kv * s_vh + k0 * s_vn
+    TV += bt * s_tvb + h_kv * s_tvh + k0 * s_tvn
+    k_base = (bkv * NK_T + k0) * D_QK
     v_base = (bkv * NK_T + k0) * D_V
     keys = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     cqk = tl.arange(0, BLOCK_DQK)
     cv = tl.arange(0, BLOCK_DV)
     offs_m = tl.arange(0, BLOCK_M)
-    k = _tile(K + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
-    v = _tile(V + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+    k = _tile(K, keys, cqk, n_k, D_QK, s_kn)  # (BLOCK_N, BLOCK_DQK)
+    v = _tile(V, keys, cv, n_k, D_V, s_vn)  # (BLOCK_N, BLOCK_DV)
     tk = k
     tv = v
     if HAS_TK:
-        tk = _tile(TK + k_base, keys, cqk, n_k, D_QK, D_QK)  # (BLOCK_N, BLOCK_DQK)
+        tk = _tile(TK, keys, cqk, n_k, D_QK, s_tkn)  # (BLOCK_N, BLOCK_DQK)
     if HAS_TV:
-        tv = _tile(TV + v_base, keys, cv, n_k, D_V, D_V)  # (BLOCK_N, BLOCK_DV)
+        tv = _tile(TV, keys, cv, n_k, D_V, s_tvn)  # (BLOCK_N, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dtk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -260,9 +280,12 @@ def _attn_bwd_jvp_dkdv_kernel(
     lo, _, _, hi = query_blocks(n0, n_q, off_r, off_l, BLOCK_M, BLOCK_N, RIGHT, LEFT)
     hi = tl.where(n0 < n_kv, hi, 0)
     for gi in range(GROUPS):  # the query heads of this kv head, summed in a fixed order
-        bh = bt * H_Q + h_kv * GROUPS + gi
-        q_base = (bh * NQ_T + q0) * D_QK
-        o_base = (bh * NQ_T + q0) * D_V
+        hq = h_kv * GROUPS + gi
+        bh = bt * H_Q + hq
+        q_ptr = Q + bt * s_qb + hq * s_qh + q0 * s_qn  # row 0 of this sequence and query head
+        tq_ptr = TQ + bt * s_tqb + hq * s_tqh + q0 * s_tqn
+        do_ptr = DO + bt * s_dob + hq * s_doh + q0 * s_don
+        dto_ptr = DTO + bt * s_dtob + hq * s_dtoh + q0 * s_dton
         mask_src = MASK + b * s_mb + (h_kv * GROUPS + gi) * s_mh
         lst = SP_COL  # SPARSE: this key block's column of the block mask, every listed block masked
         maxb = s_cn
@@ -280,7 +303,7 @@ def _attn_bwd_jvp_dkdv_kernel(
             rows = start_m + offs_m  # (BLOCK_M,)
             rvalid = rows < n_q
             idx = bh * NQ_T + q0 + rows
-            q = _tile(Q + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+            q = _tile(q_ptr, rows, cqk, n_q, D_QK, s_qn)  # (BLOCK_M, BLOCK_DQK)
             lse2 = _lse_log2(LSE, idx, rvalid)  # (BLOCK_M,)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # (BLOCK_M, BLOCK_N)
             p = _probs(s, lse2, rows, keys, n_q, n_kv, off_r, off_l, mask_src, s_mm, s_mn, RIGHT, LEFT,
@@ -289,7 +312,7 @@ def _attn_bwd_jvp_dkdv_kernel(
                 p = tl.where(sparse_bits(SP_BITS, lst, j, rows, keys, maxb, SP_BM, SP_BN, False), p, 0.0)
             tq = q
             if HAS_TQ:
-                tq = _tile(TQ + q_base, rows, cqk, n_q, D_QK, D_QK)  # (BLOCK_M, BLOCK_DQK)
+                tq = _tile(tq_ptr, rows, cqk, n_q, D_QK, s_tqn)  # (BLOCK_M, BLOCK_DQK)
             ts = _tangent_scores(q, tq, k, tk, p, scale, HAS_TQ, HAS_TK, DOT_PREC)  # (BLOCK_M, BLOCK_N)
             mu = tl.load(MU + idx, mask=rvalid, other=0.0)
             g = tl.load(G + idx, mask=rvalid, other=0.0)
@@ -298,10 +321,10 @@ def _attn_bwd_jvp_dkdv_kernel(
             do = q
             dto = q
             if HAS_DO:
-                do = _tile(DO + o_base, rows, cv, n_q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+                do = _tile(do_ptr, rows, cv, n_q, D_V, s_don)  # (BLOCK_M, BLOCK_DV)
                 dv = tl.dot(tl.trans(p).to(do.dtype), do, dv, input_precision=DOT_PREC)
             if HAS_DTO:
-                dto = _tile(DTO + o_base, rows, cv, n_q, D_V, D_V)  # (BLOCK_M, BLOCK_DV)
+                dto = _tile(dto_ptr, rows, cv, n_q, D_V, s_dton)  # (BLOCK_M, BLOCK_DV)
                 if HAS_TS:
                     tp = p * (ts - mu[:, None])  # (BLOCK_M, BLOCK_N): tangent of P
                     dv = tl.dot(tl.trans(tp).to(dto.dtype), dto, dv, input_precision=DOT_PREC)
@@ -325,9 +348,13 @@ def _attn_bwd_jvp_dkdv_kernel(
         tl.store(DTV + out_v, dtv.to(DTV.dtype.element_ty), mask=kmask & (cv < D_V)[None, :])
 
 
-def _bhnd(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
-    """``x`` as a contiguous (B, H, N, D) tensor (a copy unless it already is one)."""
-    return None if x is None else bhnd_view(x, layout).contiguous()
+def _unit_dim(x: torch.Tensor | None, layout: str) -> torch.Tensor | None:
+    """``x`` as the kernels read it: its (B, H, N, D) view, copied only where the head dim is not
+    unit-stride (the tiles load rows of D contiguous elements)."""
+    if x is None:
+        return None
+    x = bhnd_view(x, layout)
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
 def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: AttnArgs):
@@ -336,14 +363,14 @@ def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: Att
     and any tangent may be ``None`` (zero; the tangent's gradient is then ``None``). ``lse`` and
     ``mu`` are the forward's float32 statistics. Gradients have their input's shape and layout."""
     L = a.layout
-    q, k, v, tq, tk, tv, o, to, do, dto = (_bhnd(x, L) for x in (q, k, v, tq, tk, tv, o, to, do, dto))
+    q, k, v, tq, tk, tv, o, to, do, dto = (_unit_dim(x, L) for x in (q, k, v, tq, tk, tv, o, to, do, dto))
     zeros = torch.zeros_like(lse)
     dlse = zeros if dlse is None else dlse.float().contiguous()
     dmu = zeros if dmu is None else dmu.float().contiguous()
     mu = zeros if mu is None else mu.contiguous()
     if to is None:
         to = o
-    dq, dk, dv = (new_buffer(x.shape, x.dtype, x.device) for x in (q, k, v))
+    dq, dk, dv = (new_buffer(x.shape, x.dtype, x.device) for x in (q, k, v))  # (B, H, N, D) contiguous
     dtq, dtk, dtv = (None if t is None else new_buffer(t.shape, t.dtype, t.device) for t in (tq, tk, tv))
     delta, g = new_buffer(lse.shape, torch.float32, lse.device), new_buffer(lse.shape, torch.float32, lse.device)
     bdqk, bdv = head_blocks(a.d_qk, a.d_v)
@@ -358,11 +385,21 @@ def attn_bwd_jvp(q, k, v, tq, tk, tv, o, to, lse, mu, do, dto, dlse, dmu, a: Att
     alt = lambda x, y: y if x is None else x  # noqa: E731  (a tensor the kernel never reads)
     grid_q = lambda m: (triton.cdiv(a.n_q, m["BLOCK_M"]), a.h_q, a.batch)  # noqa: E731
     grid_kv = lambda m: (triton.cdiv(a.n_k, m["BLOCK_N"]), a.h_kv, a.batch)  # noqa: E731
+    ins = (q, k, v, alt(tq, q), alt(tk, k), alt(tv, v))
+    outs = (alt(do, o), alt(dto, o))
+    strides = [st for x in ins for st in _seq3(x, a)]
+    out_strides = [st for x in outs for st in _seq3(x, a)]
     with launch_device(q):
-        launch_tuned(_attn_bwd_jvp_dq_kernel, grid_q, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v), o, to,
-                     alt(do, o), alt(dto, o), lse, mu, dlse, dmu, delta, g, dq, alt(dtq, dq), *seqs, *mstrides, *sizes,
+        launch_tuned(_attn_bwd_jvp_dq_kernel, grid_q, *ins, o, to, *outs, lse, mu, dlse, dmu, delta, g, dq,
+                     alt(dtq, dq), *seqs, *strides, *_seq3(o, a), *_seq3(to, a), *out_strides, *mstrides, *sizes,
                      **flags)
-        launch_tuned(_attn_bwd_jvp_dkdv_kernel, grid_kv, q, k, v, alt(tq, q), alt(tk, k), alt(tv, v),
-                     alt(do, o), alt(dto, o), lse, mu, dlse, delta, g, dk, dv, alt(dtk, dk), alt(dtv, dv),
-                     *seqs, *mstrides, *sizes, **flags)
+        launch_tuned(_attn_bwd_jvp_dkdv_kernel, grid_kv, *ins, *outs, lse, mu, dlse, delta, g, dk, dv, alt(dtk, dk),
+                     alt(dtv, dv), *seqs, *strides, *out_strides, *mstrides, *sizes, **flags)
     return tuple(bhnd_view(x, L) for x in (dq, dk, dv, dtq, dtk, dtv))
+
+
+def _seq3(x: torch.Tensor, a: AttnArgs) -> tuple[int, int, int]:
+    """(batch, head, sequence) strides of a (B, H, N, D) view; batch stride 0 for a packed batch,
+    whose sequences are found from their offsets."""
+    sb, sh, sn, _ = x.stride()
+    return (0 if a.varlen is not None else sb), sh, sn
