@@ -291,3 +291,29 @@ def test_single_jvp_level_direct_path(tangents, layout):
     lp_grads = torch.autograd.grad((lo * w).sum() + (lto ** 2).sum(), lp_leaves)
     for name, g, ref, ref_lp in zip(("dq", "dk", "dv"), grads, ref_grads, lp_grads):
         assert_close(name, g, ref, ref_lp, dtype)
+
+
+@pytest.mark.parametrize("fn", ["sdpa", "attention", "attention_jvp"])
+def test_checks_run_once_per_signature_inside_transforms(monkeypatch, fn):
+    """Inside torch.func.jvp no plan serves a call, but its argument checks run once per signature
+    (the MeanFlow step repeats a few shapes per layer); bad arguments still raise on every call."""
+    import sys
+
+    calls = []
+    target, name = (sys.modules["flashjvp.sdpa"], "_plan_args") if fn == "sdpa" else \
+        (sys.modules["flashjvp.interface"], "check_inputs")
+    real = getattr(target, name)
+    monkeypatch.setattr(target, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = (torch.randn(1, 2, 19, 16, device=DEVICE) for _ in range(3))
+    call = flashjvp.sdpa if fn == "sdpa" else flashjvp.attention
+    for _ in range(3):  # attention_jvp under vmap (its forward-mode derivative is not supported)
+        if fn == "attention_jvp":
+            out = torch.func.vmap(lambda q: flashjvp.attention_jvp(q, k, v, q)[1])(q[None])
+        else:
+            out, _ = torch.func.jvp(lambda q: call(q, k, v), (q,), (torch.randn_like(q),))
+    assert len(calls) == 1, calls
+    assert torch.isfinite(out).all()
+    if fn != "sdpa":
+        for _ in range(2):
+            with pytest.raises(ValueError, match="causal"):
+                torch.func.jvp(lambda q: flashjvp.attention(q, k, v, causal="diagonal"), (q,), (q,))

@@ -182,3 +182,30 @@ def _jvp_run(a: AttnArgs, grad: bool, return_lse: bool, route):
         return o, to, lse, (mu if return_lse else None)
 
     return run
+
+
+_MISSING = object()
+
+
+def checked_args(key_of, make):
+    """The validated ``AttnArgs`` of a call that no plan serves (inside ``torch.func`` transforms,
+    under forward AD): ``make()``, kept in the plan cache by ``key_of()`` (the sizes, dtypes,
+    devices and options the checks read), so a model's repeated calls skip the checks. Not while
+    Dynamo traces (it would guard on the cache), not for arguments without such a key; ``make()``
+    raises its errors on every call (nothing is kept for them)."""
+    if torch.compiler.is_compiling():
+        return make()
+    try:
+        key = key_of()
+        a = PLANS.get(key, _MISSING)
+    except (TypeError, AttributeError, RuntimeError):  # not tensors, unhashable options, symbolic sizes
+        return make()
+    if a is _MISSING:
+        a = make()
+        PLANS.put(key, a)
+    return a
+
+
+def signature(*xs) -> tuple:
+    """What argument checks read of tensors (``None`` allowed): types, shapes, dtypes, devices, layouts."""
+    return tuple(None if x is None else (type(x), x.shape, x.dtype, x.device, x.layout) for x in xs)

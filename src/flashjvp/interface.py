@@ -12,7 +12,7 @@ from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._backends import route_of, run_fwd
 from flashjvp._fwd import attn_fwd
 from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
-from flashjvp._plan import jvp_plan, plain_plan
+from flashjvp._plan import checked_args, jvp_plan, plain_plan, signature
 from flashjvp._policy import interpreting
 from flashjvp._route import (
     CUDNN,
@@ -115,7 +115,8 @@ def _attention_at_jvp_level(q, k, v, a: AttnArgs, level: int) -> torch.Tensor:
     its generic machinery (a new Function class per call, pytree flattening, signature binding),
     which costs several times a short launch."""
     unwrap, wrap = torch._C._functorch._unwrap_for_grad, torch._C._functorch._wrap_for_grad
-    parts = [fwAD.unpack_dual(x) for x in (q, k, v)]
+    dual = fwAD._current_level  # torch.func.jvp's forward-AD level (its public helpers cost microseconds)
+    parts = [torch._VF._unpack_dual(x, level=dual) for x in (q, k, v)]
     q0, k0, v0 = (unwrap(p, level) for p, _ in parts)
     tq, tk, tv = (None if t is None else unwrap(t, level) for _, t in parts)
     with temporarily_pop_interpreter_stack():
@@ -130,7 +131,7 @@ def _attention_at_jvp_level(q, k, v, a: AttnArgs, level: int) -> torch.Tensor:
             o, to, _, _ = AttentionJVPFunction.apply(q0, k0, v0, tq, tk, tv, a, True, route)
         else:
             o, to, _, _ = attn_fwd(q0, k0, v0, tq, tk, tv, a)
-    return fwAD.make_dual(wrap(o, level), wrap(to, level))
+    return torch._VF._make_dual(wrap(o, level), wrap(to, level), level=dual)
 
 
 def _route(q, k, v, a: AttnArgs, tangents: bool, grad: bool):
@@ -332,6 +333,10 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhnd", kv_lens=None,
                                                align=align), tag=align)
         if plan is not None and (o := plan(q, k, v)) is not None:
             return o
+        a = checked_args(lambda: ("attention", signature(q, k, v), causal, scale, layout, align),
+                         lambda: check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False,
+                                              align=align))
+        return _attention(q, k, v, a)
     a = check_inputs(q, k, v, causal=causal, scale=scale, layout=layout, allow_float64=False, kv_lens=kv_lens,
                      window=window, attn_mask=attn_mask, align=align, block_mask=block_mask)
     return _attention(q, k, v, a)
@@ -362,6 +367,11 @@ def attention_jvp(q, k, v, tq=None, tk=None, tv=None, *, causal=False, scale=Non
         if plan is not None:
             o, to, lse, mu = plan(q, k, v, tq, tk, tv)
             return (o, to, lse, mu) if return_lse else (o, to)
+        a = checked_args(lambda: ("attention_jvp", signature(q, k, v, tq, tk, tv), causal, scale, layout, align),
+                         lambda: check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
+                                              allow_float64=False, align=align))
+        o, to, lse, mu = _attention_jvp(q, k, v, tq, tk, tv, a, return_lse)
+        return (o, to, lse, mu) if return_lse else (o, to)
     a = check_inputs(q, k, v, tq, tk, tv, causal=causal, scale=scale, layout=layout,
                      allow_float64=False, kv_lens=kv_lens, window=window, attn_mask=attn_mask, align=align,
                      block_mask=block_mask)

@@ -33,7 +33,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.overrides import TorchFunctionMode
 
-from flashjvp._plan import plain_plan
+from flashjvp._plan import checked_args, plain_plan, signature
 from flashjvp._validate import KERNEL_DTYPES, MAX_HEAD_DIM, check_inputs
 from flashjvp.interface import _attention
 
@@ -271,6 +271,11 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                           contiguous=False)
         if plan is not None and (out := plan(query, key, value)) is not None:
             return out
+        if type(query) is torch.Tensor and query.dim() == 4:  # transforms, forward AD: checks kept per signature
+            a = checked_args(lambda: ("sdpa", signature(query, key, value), is_causal, scale, enable_gqa),
+                             lambda: _plan_args(query, key, value, is_causal, scale, enable_gqa))
+            if a is not None:
+                return _attention(query, key, value, a)
     route = _route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if route is None:
         mask = None if attn_mask is None else _mask_bhnd(attn_mask, query, key)
