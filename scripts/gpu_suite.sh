@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The GPU test suite and the benchmark suite in one call, from the repository root of a GPU machine:
 #
-#   bash scripts/gpu_suite.sh [STEPS]      STEPS: a comma-separated list of tests, bench, masks,
+#   bash scripts/gpu_suite.sh [STEPS]      STEPS: a comma-separated list of tests, tuned, bench, masks,
 #                                          host, dispatch, models (default tests,bench)
+#
+# The GPU test suite in one device call: `bash scripts/gpu_suite.sh tests,tuned` (every test file
+# with one fixed tile per kernel and the big matrices sampled, then a sample of the kernel tests
+# with autotuning on), writing $OUT/tests.md, the per-file table (scripts/tests_report.py).
 #
 # Environment: OUT (where logs and results go, default /tmp/flashjvp-gpu), TESTS (test files or
 # node ids, default tests), TEST_LIMIT (seconds for the tests, default 300; pytest is then
-# interrupted and still prints its summary), WORKERS (pytest-xdist workers, default 10: more ran out of memory on an 80 GiB H100), BENCH_LIMIT (the benchmark's
+# interrupted and still prints its summary), WORKERS (pytest-xdist workers, default 8: 12 ran out of memory on an 80 GiB H100),
+# TUNED_LIMIT (seconds for the tuned sample, default 150), BENCH_LIMIT (the benchmark's
 # --time-limit, default 240), BENCH_ARGS (more options for python -m benchmarks.bench, e.g. --modes fwd_jvp),
 # MASKS_LIMIT (the masks benchmark's --time-limit, default 240), MASKS_ARGS (more options for
 # python -m benchmarks.bench_masks, e.g. --cases 1,3); FLASHJVP_AUTOTUNE is passed through.
@@ -35,16 +40,37 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 # (b) the GPU tests: one fixed tile per kernel (no autotuning), outputs NaN-filled before each launch
 if has tests; then
-  par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-10}")  # serial without pytest-xdist
+  par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}")  # serial without pytest-xdist
   # shellcheck disable=SC2086  # TESTS is split into paths on purpose
   PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
   FLASHJVP_AUTOTUNE=0 FLASHJVP_POISON=1 timeout -s INT -k 30 "${TEST_LIMIT:-300}" python3 -m pytest ${TESTS:-tests} -q -rfE \
-    --tb=short --durations=40 "${par[@]}" -p no:cacheprovider --ignore=tests/test_example.py >"$OUT/tests.log" 2>&1 &
+    --tb=short --durations=40 "${par[@]}" -p no:cacheprovider --ignore=tests/test_example.py \
+    --junitxml="$OUT/tests.xml" >"$OUT/tests.log" 2>&1 &
   tpid=$!
   wait "$tpid"; echo "tests: exit status $?"
   # xdist workers can outlive a timed-out run: end what is left of timeout's process group
   pkill -KILL -g "$tpid" 2>/dev/null
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40
+fi
+
+# (b') a sample of the kernel tests with autotuning on: the tiles users get (another seed's sample)
+if has tuned; then
+  par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}")
+  PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} FLASHJVP_TEST_SEED=tuned \
+  FLASHJVP_AUTOTUNE=1 FLASHJVP_POISON=1 timeout -s INT -k 30 "${TUNED_LIMIT:-150}" python3 -m pytest \
+    tests/test_forward.py tests/test_backward.py tests/test_second_order.py tests/test_block_mask.py -q -rfE \
+    --tb=short "${par[@]}" -p no:cacheprovider --junitxml="$OUT/tuned.xml" >"$OUT/tuned.log" 2>&1 &
+  tpid=$!
+  wait "$tpid"; echo "tuned: exit status $?"
+  pkill -KILL -g "$tpid" 2>/dev/null
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tuned.log" | tail -20
+fi
+if has tests || has tuned; then
+  xmls=(); titles=()
+  [[ -f $OUT/tests.xml ]] && xmls+=("$OUT/tests.xml") && titles+=(--title "every file, fixed tiles (FLASHJVP_AUTOTUNE=0)")
+  [[ -f $OUT/tuned.xml ]] && xmls+=("$OUT/tuned.xml") && titles+=(--title "kernel tests, tuned tiles (FLASHJVP_AUTOTUNE=1)")
+  ((${#xmls[@]})) && python3 scripts/tests_report.py "${xmls[@]}" "${titles[@]}" --meta "$OUT/gpu.txt" \
+    --command "bash scripts/gpu_suite.sh ${1:-tests,bench}" --out "$OUT/tests.md" && cat "$OUT/tests.md"
 fi
 
 # (c) the benchmark suite (--time-limit records what is left as skipped, so the report is written)
