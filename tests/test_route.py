@@ -314,6 +314,9 @@ def test_compiled_plain_call_is_pytorchs_sdpa_where_the_rule_says_so(monkeypatch
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     out, graphs = _graphs(call, q, k, v)  # float32: PyTorch would pick its efficient kernel; flashjvp's
     assert "flashjvp.fwd.default" in _targets(graphs)
+    monkeypatch.setenv("FLASHJVP_CUDNN", "always")  # flashjvp's own cuDNN call, through its operator
+    out, graphs = _graphs(call, q.to(BF), k.to(BF), v.to(BF))
+    assert "flashjvp.fwd.default" in _targets(graphs)
 
 
 @pytest.mark.parametrize("mask", ["bool", "additive"])
@@ -356,3 +359,30 @@ def test_sdpa_calls_route_as_attention_calls():
              for a in (a_sdpa, a_attention)]
     assert calls[0] == calls[1]
     assert choose(calls[0], H100, AUTO).fwd == CUDNN
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "offset-3"])
+def test_compiled_sdpa_path_on_the_gpu(monkeypatch, offset):
+    """FLASHJVP_CUDNN=auto on the GPU: a compiled DiT-style plain training step through flashjvp.sdpa
+    is SDPA in the graph, with values and gradients of the float64 reference, also for q, k, v at a
+    storage offset that is not 16-byte aligned (which the traced graph cannot see)."""
+    from helpers import assert_close, grad_refs
+
+    monkeypatch.setenv("FLASHJVP_CUDNN", "auto")
+    b, h, n, d = 4, 16, 256, 72
+    flat = torch.randn(3 * b * n * h * d + offset, device="cuda", dtype=BF)[offset:]
+    qkv = flat.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+    q, k, v = (x.detach().requires_grad_() for x in qkv)
+    _, graphs = _graphs(lambda q, k, v: flashjvp.sdpa(q, k, v), q, k, v)
+    assert any("scaled_dot_product_attention" in t for t in _targets(graphs)), _targets(graphs)
+    torch._dynamo.reset()
+    out = torch.compile(lambda q, k, v: flashjvp.sdpa(q, k, v), fullgraph=True)(q, k, v)  # Inductor
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    o64 = flashjvp.attention_ref(*(x.detach().double() for x in (q, k, v)))
+    assert_close("o", out, o64, flashjvp.attention_ref(q.detach(), k.detach(), v.detach()), BF)
+    g64, g_lp = grad_refs(q.detach(), k.detach(), v.detach(), do)
+    for name, g, ref, ref_lp in zip(("dq", "dk", "dv"), grads, g64, g_lp):
+        assert_close(name, g, ref, ref_lp, BF)

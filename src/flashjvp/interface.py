@@ -238,8 +238,8 @@ def _sdpa_in_graph(traced: tuple) -> bool:
     call = representative(dtype, causal, frozenset(options), sizes, addressable, grad)
     dev = device_of(torch.device(device_type, device_index) if device_index is not None else torch.device(device_type))
     sw = switches(switch_values())
-    route = choose(call, dev, sw)
-    return route.fwd in (CUDNN, FLASH) and route.fwd == torch_choice(call, dev, sw)
+    route = choose(call, dev, sw)  # FLASHJVP_CUDNN=always/never: flashjvp's own operators, as in eager
+    return sw.mode == "auto" and route.fwd in (CUDNN, FLASH) and route.fwd == torch_choice(call, dev, sw)
 
 
 def _torch_sdpa(q, k, v, a: AttnArgs) -> torch.Tensor:
