@@ -1,8 +1,10 @@
 """Which backend serves a call: one pure rule, :func:`choose`, from a call's description to its route.
 
 Every call of ``attention``, ``attention_jvp``, ``sdpa`` and the compiled-graph operators is routed
-here, once per call signature (``_plan.py`` keeps the result); nothing below decides again. The
-rule reads only three frozen descriptions, so a test can state any case without a GPU:
+here, once per call signature (``_backends.route_of`` keeps the result in the one plan cache,
+``_launch.PLANS``); nothing below decides again. A plain call traced by Dynamo is routed on its size
+predicates (:data:`SIZE_PREDICATES`, :func:`representative`). The rule reads only three frozen
+descriptions, so a test can state any case without a GPU:
 
 * :class:`Call`: sizes, dtype, causal alignment, the masking options present, whether PyTorch's
   kernels can address q, k and v as they are (unit-stride head dim, 16-byte aligned pointers and
