@@ -234,10 +234,11 @@ def cudnn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 _INT32_MAX = 2**31 - 1  # PyTorch's cuDNN graph cache stores sizes and strides as int
 
 
-def strides_ok(x: torch.Tensor) -> bool:
+def strides_ok(x: torch.Tensor, *, pointer: bool = True) -> bool:
     """Unit-stride head dim, 16-byte aligned data and (B, H, N) strides, nothing broadcast, and
-    an extent that fits in int32."""
-    if x.stride(-1) != 1 or x.data_ptr() % 16:
+    an extent that fits in int32. ``pointer=False``: all but the data pointer's alignment (a tensor
+    Dynamo traces has none to read; its sizes may be symbolic, each test then a guard)."""
+    if x.stride(-1) != 1 or (pointer and x.data_ptr() % 16):
         return False
     align = 16 // x.element_size()
     extent = x.shape[-1]

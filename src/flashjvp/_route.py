@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashjvp._launch import c_getter
 from flashjvp._policy import cudnn_mode, env, interpreting
 
 __all__ = ["Call", "Device", "Switches", "Route", "choose", "torch_choice", "cudnn_supports", "describe"]
@@ -349,14 +350,10 @@ def device_of(device: torch.device) -> Device:
     return Device(device.type, (0, 0), 0, False, device.type == "cpu" and interpreting())
 
 
-def _getter(name: str, public):
-    return getattr(torch._C, name, None) or public
-
-
-_CUDNN_SDP = _getter("_get_cudnn_sdp_enabled", torch.backends.cuda.cudnn_sdp_enabled)
-_FLASH_SDP = _getter("_get_flash_sdp_enabled", torch.backends.cuda.flash_sdp_enabled)
-_EFFICIENT_SDP = _getter("_get_mem_efficient_sdp_enabled", torch.backends.cuda.mem_efficient_sdp_enabled)
-_MATH_SDP = _getter("_get_math_sdp_enabled", torch.backends.cuda.math_sdp_enabled)
+_CUDNN_SDP = c_getter("_get_cudnn_sdp_enabled", torch.backends.cuda.cudnn_sdp_enabled)
+_FLASH_SDP = c_getter("_get_flash_sdp_enabled", torch.backends.cuda.flash_sdp_enabled)
+_EFFICIENT_SDP = c_getter("_get_mem_efficient_sdp_enabled", torch.backends.cuda.mem_efficient_sdp_enabled)
+_MATH_SDP = c_getter("_get_math_sdp_enabled", torch.backends.cuda.math_sdp_enabled)
 _PRIORITY = getattr(torch._C, "_get_sdp_priority_order", None)
 _PRIORITY_NAMES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 

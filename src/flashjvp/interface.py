@@ -10,6 +10,7 @@ from torch._functorch.pyfunctorch import temporarily_pop_interpreter_stack
 
 from flashjvp._autograd import AttentionFunction, AttentionJVPFunction
 from flashjvp._backends import route_of, run_fwd
+from flashjvp._cudnn import strides_ok
 from flashjvp._fwd import attn_fwd
 from flashjvp._ops import attn_fwd_jvp_op, attn_fwd_op, options
 from flashjvp._plan import checked_args, jvp_plan, plain_plan, signature
@@ -208,25 +209,13 @@ def _traced_call(q, k, v, a: AttnArgs) -> tuple:
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     options = option_names(a)
     sizes = tuple(_bit(test(a)) for test in SIZE_PREDICATES)
-    addressable = _addressable(q) and _addressable(k) and _addressable(v)
+    addressable = _bit(strides_ok(q, pointer=False) and strides_ok(k, pointer=False) and strides_ok(v, pointer=False))
     return q.dtype, a.causal, options, sizes, addressable, grad, q.device.type, q.device.index
 
 
 def _bit(value) -> bool:
     """A Python bool of a possibly symbolic condition (Dynamo guards on it)."""
     return True if value else False  # noqa: SIM210
-
-
-def _addressable(x: torch.Tensor) -> bool:
-    """``_cudnn.strides_ok`` without the pointer, which traced tensors lack: unit-stride head dim,
-    other strides multiples of 16 bytes (every size-1 dimension aside)."""
-    align = max(16 // x.element_size(), 1)
-    if x.stride(-1) != 1:
-        return False
-    for n, st in zip(x.shape[:-1], x.stride()[:-1]):
-        if n != 1 and (st <= 0 or st % align != 0):
-            return False
-    return True
 
 
 @torch.compiler.assume_constant_result
