@@ -68,7 +68,7 @@ def run_fwd(q, k, v, a: AttnArgs, backend: str, *, need_lse: bool = True):
             pass  # not a refusal: Triton needs no workspace, cuDNN is tried again next time
         except RuntimeError as e:
             refuse(q, a, False, e)
-    return attn_fwd(q, k, v, None, None, None, a, need_lse=need_lse)
+    return attn_fwd(q, k, v, None, None, None, a)
 
 
 def run_bwd(do, q, k, v, o, lse, a: AttnArgs, backend: str):

@@ -442,12 +442,11 @@ def _fwd_tensors(inputs, o, to, lse, mu, scratch, aux):
 
 
 def attn_fwd(q, k, v, tq, tk, tv, a: AttnArgs, *, store_mu: bool = False,
-             o: torch.Tensor | None = None, lse: torch.Tensor | None = None, need_lse: bool = True):
+             o: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """Launch the fused kernel (Triton, whatever the route: ``_backends.run_fwd`` picks the
     backend). Returns ``(o, to, lse, mu)``; ``to`` and ``mu`` are ``None`` without tangents (``mu``
     also unless ``store_mu``). ``o``/``lse`` may be given to write into (contiguous buffers as
-    ``out_buffer``/``stat_buffer`` make). ``need_lse`` is accepted for ``run_fwd``'s signature:
-    the kernel always stores the log-sum-exp."""
+    ``out_buffer``/``stat_buffer`` make). The kernel always stores the log-sum-exp."""
     jvp = tq is not None or tk is not None or tv is not None
     store_mu = jvp and store_mu
     if o is None:
